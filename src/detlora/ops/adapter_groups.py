@@ -1,0 +1,85 @@
+"""Token-to-adapter grouping shared by the LoRA kernels.
+
+Semantics:
+    Given ``token_adapter`` ([M] ints, -1 = no adapter, else a slot in [0, num_adapters)), the
+    rows are grouped by adapter id, stably:
+
+        keys = token_adapter + 1                       # 0 = no adapter
+        sorted_rows = torch.argsort(keys, stable=True)
+        counts = torch.bincount(keys, minlength=num_adapters + 1)
+
+    Groups with rows come first; the kernels launch ``num_groups = min(M, num_adapters + 1)``
+    programs along their group axis, which always covers every non-empty group. Building the
+    groups needs no host synchronisation (unless ``validate=True``), so it can run once per
+    engine step and serve every layer, and it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from detlora.ops.checks import check_tensor
+
+
+@dataclass(frozen=True)
+class AdapterGroups:
+    """Rows of a batch grouped by adapter slot; built by :func:`group_tokens`."""
+
+    token_adapter: torch.Tensor  # int32 [M], -1 = no adapter
+    sorted_rows: torch.Tensor  # int32 [M], row indices grouped by adapter (stable)
+    group_start: torch.Tensor  # int32 [G], offset of each group in sorted_rows
+    group_size: torch.Tensor  # int32 [G], rows in each group (0 = unused)
+    group_adapter: torch.Tensor  # int32 [G], adapter slot of each group, -1 = none
+    num_adapters: int  # adapter slots the ids index into
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_adapter.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.group_size.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_adapter.device
+
+
+def group_tokens(
+    token_adapter: torch.Tensor, num_adapters: int, *, validate: bool = True
+) -> AdapterGroups:
+    """Group rows by adapter id. ``validate`` checks the id range (one host sync)."""
+    check_tensor(
+        "token_adapter", token_adapter, ndim=1, dtypes=(torch.int32, torch.int64, torch.int16)
+    )
+    if not isinstance(num_adapters, int) or num_adapters < 1:
+        raise ValueError(f"num_adapters must be a positive int, got {num_adapters!r}")
+    m = token_adapter.shape[0]
+    if m == 0:
+        raise ValueError("token_adapter must have at least one row, got 0")
+    if validate:
+        lo, hi = int(token_adapter.min()), int(token_adapter.max())
+        if lo < -1 or hi >= num_adapters:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"token_adapter holds adapter id {bad}, outside [-1, {num_adapters - 1}] "
+                f"(-1 = no adapter, {num_adapters} adapter slots)"
+            )
+    keys = token_adapter.to(torch.int64) + 1
+    counts = torch.bincount(keys, minlength=num_adapters + 1)[: num_adapters + 1]
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_rows = torch.argsort(keys, stable=True).to(torch.int32)
+    # Non-empty groups first (stable), then keep as many as can be non-empty.
+    order = torch.argsort((counts == 0).to(torch.int8), stable=True)
+    num_groups = min(m, num_adapters + 1)
+    order = order[:num_groups]
+    return AdapterGroups(
+        token_adapter=token_adapter.to(torch.int32).contiguous(),
+        sorted_rows=sorted_rows.contiguous(),
+        group_start=starts[order].to(torch.int32).contiguous(),
+        group_size=counts[order].to(torch.int32).contiguous(),
+        group_adapter=(order - 1).to(torch.int32).contiguous(),
+        num_adapters=num_adapters,
+    )

@@ -1,0 +1,211 @@
+"""LoRA expand: add each row's low-rank update to the base layer's output, in place.
+
+Semantics:
+    y: [M, N] bf16/fp16/fp32 (the base output, any row stride), shrink_out: [S, M, R] fp32,
+    lora_b: [L, N, R] (rows line up with y's columns), slice_offsets: S + 1 ints from 0 to N
+    (slice s owns columns offsets[s]:offsets[s+1]; widths may differ, as GQA q/k/v do):
+
+        for m, a in enumerate(token_adapter.tolist()):
+            if a < 0:
+                continue                     # rows without an adapter are left untouched
+            for s in range(S):
+                c = slice(offsets[s], offsets[s + 1])
+                t = shrink_out[s, m].to(lora_b.dtype).float() @ lora_b[a, c].float().T
+                y[m, c] += t.to(y.dtype)     # fp32 accumulation, rounded once, then added
+
+    (``lora_expand_ref`` below.) The rank is summed whole by one CTA in a fixed BLOCK_R order
+    that depends on R alone, so the expand is deterministic and batch-invariant by
+    construction: no Split-K over the rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from detlora.ops._runtime import cdiv
+from detlora.ops.adapter_groups import AdapterGroups, group_tokens
+from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.lora_configs import ExpandConfig, expand_config
+from detlora.ops.lora_workspace import MAX_LORA_RANK
+
+MAX_SLICES = 3
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
+_OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def lora_expand_ref(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_adapter: torch.Tensor,
+    slice_offsets: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Torch reference: updates ``y`` in place and returns it."""
+    slices = shrink_out.shape[0]
+    offsets = _offsets(slice_offsets, slices, lora_b.shape[1])
+    ids = token_adapter.to(torch.int64)
+    for a in torch.unique(ids).tolist():
+        if a < 0:
+            continue
+        rows = (ids == a).nonzero().flatten()
+        for s in range(slices):
+            lo, hi = offsets[s], offsets[s + 1]
+            h = shrink_out[s, rows].to(lora_b.dtype).float()
+            t = (h @ lora_b[a, lo:hi].float().T).to(y.dtype)
+            y[rows, lo:hi] += t
+    return y
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    rows_ptr,
+    group_start_ptr,
+    group_size_ptr,
+    group_adapter_ptr,
+    R,
+    off1,
+    off2,
+    off3,
+    stride_ym,
+    stride_yn,
+    stride_hs,
+    stride_hm,
+    stride_bl,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr,
+):
+    # Grid: (m tiles x n tiles of the widest slice, slices, groups).
+    pid = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    group = tl.program_id(2)
+    col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
+    col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
+    width = col_hi - col_lo
+    max_width = tl.maximum(off1, tl.maximum(off2 - off1, off3 - off2))
+    n_tiles = tl.cdiv(max_width, BLOCK_N)
+    tile_n = pid % n_tiles
+    tile_m = pid // n_tiles
+    group_rows = tl.load(group_size_ptr + group)
+    if (tile_m * BLOCK_M >= group_rows) | (tile_n * BLOCK_N >= width):
+        return
+    adapter = tl.load(group_adapter_ptr + group)
+    if adapter < 0:
+        return
+    row_start = tl.load(group_start_ptr + group)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < group_rows
+    rows = tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
+
+    h_rows = h_ptr + slice_id * stride_hs + rows * stride_hm
+    b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + offs_r
+        if EVEN_R:
+            hb = tl.load(h_rows[:, None] + r[None, :])
+            bb = tl.load(b_cols[None, :] + r[:, None])
+        else:
+            r_ok = r < R
+            hb = tl.load(h_rows[:, None] + r[None, :], mask=r_ok[None, :], other=0.0)
+            bb = tl.load(b_cols[None, :] + r[:, None], mask=r_ok[:, None], other=0.0)
+        acc += tl.dot(hb.to(bb.dtype), bb)
+
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+    ok = m_ok[:, None] & n_ok[None, :]
+    y_old = tl.load(y_ptrs, mask=ok, other=0.0)
+    update = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor,
+    lora_b: torch.Tensor,
+    groups: AdapterGroups | torch.Tensor,
+    slice_offsets: Sequence[int] | None = None,
+    *,
+    config: ExpandConfig | None = None,
+) -> torch.Tensor:
+    """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
+    y = check_tensor("y", y, ndim=2, dtypes=_OUTPUT_DTYPES)
+    shrink_out = check_tensor(
+        "shrink_out", shrink_out, ndim=3, dtypes=(torch.float32,), unit_last_stride=True
+    )
+    lora_b = check_tensor("lora_b", lora_b, ndim=3, dtypes=_WEIGHT_DTYPES, unit_last_stride=True)
+    slices, m, rank = shrink_out.shape
+    num_adapters, n_out, b_rank = lora_b.shape
+    if not 1 <= slices <= MAX_SLICES:
+        raise ValueError(f"shrink_out must have 1 to {MAX_SLICES} slices, got {slices}")
+    if not 1 <= rank <= MAX_LORA_RANK:
+        raise ValueError(f"shrink_out rank {rank} is outside [1, {MAX_LORA_RANK}]")
+    if b_rank != rank:
+        raise ValueError(f"lora_b rank {b_rank} must match shrink_out rank {rank}")
+    check_shape("y", y, (m, n_out))
+    offsets = _offsets(slice_offsets, slices, n_out)
+    if isinstance(groups, torch.Tensor):
+        groups = group_tokens(groups, num_adapters)
+    elif not isinstance(groups, AdapterGroups):
+        raise ValueError(f"groups must be AdapterGroups or a token_adapter tensor, got {groups!r}")
+    if groups.num_rows != m:
+        raise ValueError(f"groups cover {groups.num_rows} rows but y has {m}")
+    if groups.num_adapters > num_adapters:
+        raise ValueError(
+            f"groups index {groups.num_adapters} adapter slots but lora_b has {num_adapters}"
+        )
+    check_same_device(y=y, shrink_out=shrink_out, lora_b=lora_b,
+                      token_adapter=groups.token_adapter)
+
+    widths = [offsets[i + 1] - offsets[i] for i in range(slices)]
+    cfg = config or expand_config(m, rank, max(widths))
+    if not isinstance(cfg, ExpandConfig):
+        raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    padded = offsets + [offsets[-1]] * (MAX_SLICES + 1 - len(offsets))
+    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), slices, groups.num_groups)
+    _expand_kernel[grid](
+        y, shrink_out, lora_b,
+        groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
+        rank, padded[1], padded[2], padded[3],
+        y.stride(0), y.stride(1), shrink_out.stride(0), shrink_out.stride(1),
+        lora_b.stride(0), lora_b.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        EVEN_R=rank % cfg.block_r == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> list[int]:
+    if slice_offsets is None:
+        if n_out % slices:
+            raise ValueError(
+                f"slice_offsets is required: {n_out} output columns do not split evenly "
+                f"into {slices} slices"
+            )
+        width = n_out // slices
+        return [i * width for i in range(slices + 1)]
+    offsets = [int(o) for o in slice_offsets]
+    if len(offsets) != slices + 1:
+        raise ValueError(f"slice_offsets must hold {slices + 1} ints, got {len(offsets)}")
+    if offsets[0] != 0 or offsets[-1] != n_out:
+        raise ValueError(f"slice_offsets must run from 0 to {n_out}, got {offsets}")
+    if any(b <= a for a, b in itertools.pairwise(offsets)):
+        raise ValueError(f"slice_offsets must be strictly increasing, got {offsets}")
+    return offsets
+
+
+__all__ = ["lora_expand", "lora_expand_ref"]

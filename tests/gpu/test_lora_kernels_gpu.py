@@ -1,0 +1,126 @@
+"""LoRA shrink/expand on the GPU: bf16 correctness, bitwise repeatability, batch invariance,
+CUDA-graph safety of the ordered reduction's self-resetting counters."""
+
+import pytest
+import torch
+
+from detlora.ops.adapter_groups import group_tokens
+from detlora.ops.lora_expand import lora_expand, lora_expand_ref
+from detlora.ops.lora_shrink import lora_shrink, lora_shrink_ref
+from detlora.ops.lora_workspace import LoRAWorkspace
+
+REDUCTIONS = ("atomic", "unsplit", "ordered", "ordered_bi", "tree")
+DEV = "cuda"
+
+
+def _inputs(m, h, r, s, adapters, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, h, device=DEV, generator=g).to(dtype)
+    a = (torch.randn(adapters, s, r, h, device=DEV, generator=g) / h**0.5).to(dtype)
+    ids = torch.randint(-1, adapters, (m,), device=DEV, generator=g, dtype=torch.int32)
+    ids[0] = 0  # at least one row with an adapter
+    scale = torch.rand(adapters, device=DEV, generator=g) + 0.5
+    return x, a, ids, scale
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("m,h,r,s", [(1, 3072, 16, 3), (3, 1000, 24, 1), (17, 4096, 64, 3),
+                                     (130, 2048, 1, 2), (2048, 3072, 128, 1), (4096, 576, 16, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shrink_matches_fp64(reduction, m, h, r, s, dtype):
+    x, a, ids, scale = _inputs(m, h, r, s, 4, dtype)
+    out = torch.full((s, m, r), float("nan"), device=DEV)
+    lora_shrink(x, a, ids, scale, reduction=reduction, out=out)
+    ref = lora_shrink_ref(x, a, ids, scale, compute_dtype=torch.float64)
+    assert not out.isnan().any()
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+    assert torch.all(out[:, ids < 0] == 0)
+
+
+@pytest.mark.parametrize("m,r,offsets", [(1, 16, [0, 3072, 4096, 5120]), (77, 24, [0, 128]),
+                                         (1030, 64, [0, 2048, 2560, 3072])])
+def test_expand_matches_ref(m, r, offsets):
+    s = len(offsets) - 1
+    n = offsets[-1]
+    g = torch.Generator(device=DEV).manual_seed(1)
+    h = torch.randn(s, m, r, device=DEV, generator=g)
+    b = (torch.randn(3, n, r, device=DEV, generator=g) / r**0.5).to(torch.bfloat16)
+    ids = torch.randint(-1, 3, (m,), device=DEV, generator=g, dtype=torch.int32)
+    y = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
+    got = lora_expand(y.clone(), h, b, ids, offsets)
+    want = lora_expand_ref(y.clone(), h, b, ids, offsets)
+    # Same fp32 sum, rounded once: allow one bf16 ulp where the fp32 sums' order differs.
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    oracle = lora_expand_ref(y.double(), h.double(), b.double(), ids, offsets)
+    assert float((got.double() - oracle).norm() / oracle.norm()) < 1e-2
+    assert torch.equal(got[ids < 0], y[ids < 0])
+
+
+@pytest.mark.parametrize("reduction", ["unsplit", "ordered", "ordered_bi", "tree"])
+@pytest.mark.parametrize("m", [1, 8, 64, 256, 2048])
+def test_deterministic_reductions_repeat_bitwise(reduction, m):
+    x, a, ids, scale = _inputs(m, 3072, 16, 3, 2, seed=m)
+    groups = group_tokens(ids, 2)
+    first = lora_shrink(x, a, groups, scale, reduction=reduction)
+    for _ in range(100):
+        assert torch.equal(lora_shrink(x, a, groups, scale, reduction=reduction), first)
+
+
+@pytest.mark.parametrize("h,r,s", [(3072, 16, 3), (2048, 64, 1), (4096, 32, 2)])
+def test_ordered_bi_rows_do_not_depend_on_batch(h, r, s):
+    m_max = 4096
+    x, a, ids, scale = _inputs(m_max, h, r, s, 4, seed=h + r)
+    alone = [lora_shrink(x[i:i + 1], a, ids[i:i + 1], scale, reduction="ordered_bi")
+             for i in range(40)]
+    for m in (2, 3, 7, 16, 64, 128, 257, 1024, 4096):
+        batch = lora_shrink(x[:m], a, ids[:m], scale, reduction="ordered_bi")
+        for i in range(min(m, 40)):
+            assert torch.equal(batch[:, i], alone[i][:, 0]), (m, i)
+
+
+def test_expand_rows_do_not_depend_on_batch():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    m_max, r, offsets = 4096, 16, [0, 3072, 4096, 5120]
+    h = torch.randn(3, m_max, r, device=DEV, generator=g)
+    b = (torch.randn(2, 5120, r, device=DEV, generator=g) / 4).to(torch.bfloat16)
+    ids = torch.randint(-1, 2, (m_max,), device=DEV, generator=g, dtype=torch.int32)
+    y = torch.randn(m_max, 5120, device=DEV, generator=g).to(torch.bfloat16)
+    alone = [lora_expand(y[i:i + 1].clone(), h[:, i:i + 1].contiguous(), b, ids[i:i + 1],
+                         offsets) for i in range(20)]
+    for m in (2, 16, 257, 4096):
+        batch = lora_expand(y[:m].clone(), h[:, :m].contiguous(), b, ids[:m], offsets)
+        for i in range(min(m, 20)):
+            assert torch.equal(batch[i], alone[i][0])
+
+
+def test_ordered_in_cuda_graph_self_resets():
+    x, a, ids, scale = _inputs(64, 3072, 16, 3, 2)
+    ws = LoRAWorkspace(DEV)
+    groups = group_tokens(ids, 2)
+    out = torch.empty(3, 64, 16, device=DEV)
+    eager = lora_shrink(x, a, groups, scale, reduction="ordered", workspace=ws).clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        lora_shrink(x, a, groups, scale, reduction="ordered", out=out, workspace=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        lora_shrink(x, a, groups, scale, reduction="ordered", out=out, workspace=ws)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert int(ws.counters(1).numel()) == 1
+    assert int(ws._counters.abs().sum()) == 0  # every counter back at zero
+
+
+def test_growing_workspace_during_capture_is_refused():
+    x, a, ids, scale = _inputs(64, 3072, 16, 3, 2)
+    ws = LoRAWorkspace(DEV)
+    groups = group_tokens(ids, 2)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="during CUDA-graph capture"), \
+            torch.cuda.graph(graph):
+        lora_shrink(x, a, groups, scale, reduction="ordered", workspace=ws)
