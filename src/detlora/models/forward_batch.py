@@ -1,0 +1,47 @@
+"""What one engine step hands to a model: the contract between engine/ and models/.
+
+The engine's model runner builds a ForwardBatch per step (and keeps static copies for CUDA
+graphs); the model reads it and knows nothing of sequences or scheduling.
+
+The whole model / engine / OpBackend / LoRA contract is written down in
+docs/engine_contract.md (read it before working on engine/, models/, layers/ or lora/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from detlora.ops.adapter_groups import AdapterGroups
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and which pages each sequence reads.
+
+    Same meaning as the arguments of ``detlora.ops.paged_attention``.
+    """
+
+    slot_mapping: torch.Tensor  # int64 [T]: page * block_size + offset; -1 = padding token
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: pages of each sequence, in order
+    seq_lens: torch.Tensor  # int32 [B]: context length including this step's tokens
+    query_start_loc: torch.Tensor  # int32 [B + 1]: sequence b owns token rows [qsl[b], qsl[b+1])
+    max_query_len: int  # host-side: longest q_len in the batch (1 for a pure decode step)
+    max_seq_len: int  # host-side: longest seq_len in the batch
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which adapter slot each token uses (-1 = none), grouped once per step for all layers."""
+
+    groups: AdapterGroups
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [N]: rows of T whose next-token logits are wanted
+    lora: LoRABatch | None = None
