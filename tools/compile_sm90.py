@@ -63,7 +63,8 @@ def main() -> None:
                                  "group_adapter_ptr", "counter_ptr")}
     for mode in range(5):
         for bm in (16, 64):
-            consts = {"MODE": mode, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "EVEN_K": True}
+            consts = {"MODE": mode, "SPLIT": 1 if mode == 4 else 12, "BLOCK_M": bm,
+                      "BLOCK_N": 16, "BLOCK_K": 128, "EVEN_K": True}
             k, dt = compile_kernel(lora_shrink._shrink_kernel, consts, ptrs, div16=ints)
             print(f"shrink mode={mode} BLOCK_M={bm}: {ptx_summary(k.asm['ptx'])} ({dt:.1f}s)")
     k, _ = compile_kernel(

@@ -60,9 +60,10 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     from detlora.study.lora_kernel_bench import BenchPlan, run
 
     plan = BenchPlan.quick() if args.quick else BenchPlan()
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         plan = BenchPlan(**{**plan.__dict__, "sweep_ms": (1, 16, 64, 256, 1024, 4096)})
-    result = {"meta": results_meta(" ".join(["detlora", *sys.argv[1:]])), **run(plan)}
+    result = {"meta": results_meta(" ".join(["detlora", *sys.argv[1:]])),
+              **run(plan, sweep_only=args.sweep_only)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="benchmarks/results/lora_kernels.json")
     k.add_argument("--quick", action="store_true", help="a small grid, for smoke tests")
     k.add_argument("--sweep", action="store_true", help="also time candidate tilings")
+    k.add_argument("--sweep-only", action="store_true", help="time candidate tilings only")
     k.set_defaults(func=_cmd_bench_kernels)
     return parser
 

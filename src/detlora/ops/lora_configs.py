@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
 
-# H200: 132 SMs. Used only to size grids, never to decide bits.
-_TARGET_CTAS = 264
-
-# ordered_bi: every K chunk covers this many hidden elements, in BLOCK_K = 64 steps.
+# ordered_bi: every K chunk covers this many hidden elements, in BLOCK_K = 128 steps.
 BI_CHUNK = 256
-BI_BLOCK_K = 64
+BI_BLOCK_K = 128
 
 
 @dataclass(frozen=True)
@@ -116,20 +113,27 @@ def _block_m(num_rows: int) -> int:
     return 64
 
 
+# Tilings measured best on the H200 (benchmarks/results/lora_sweep.json: H = 3072, r = 16,
+# 1 and 3 slices; BLOCK_N = 16 won everywhere: the shrink is latency-bound, so more CTAs beat
+# wider tiles). Rows: (largest M, hidden elements per K chunk, BLOCK_M, BLOCK_K, warps).
+_ORDERED_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
+    (64, 256, 16, 128, 4),
+    (256, 768, 32, 256, 2),
+    (1024, 768, 32, 128, 2),
+    (1 << 62, 1536, 64, 128, 4),
+)
+
+
 def _unsplit_config(num_rows: int, n: int) -> ShrinkConfig:
-    bm = _block_m(num_rows)
-    return ShrinkConfig(split_k=1, block_m=bm, block_n=_block_n(n), block_k=128 if bm < 64 else 64,
-                        num_warps=4, num_stages=3)
+    bm = 16 if num_rows <= 256 else 32
+    return ShrinkConfig(split_k=1, block_m=bm, block_n=16, block_k=256, num_warps=2,
+                        num_stages=3)
 
 
 def _ordered_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
-    bm = _block_m(num_rows)
-    bn = _block_n(n)
-    bk = 128 if bm < 64 else 64
-    tiles = cdiv(num_rows, bm) * cdiv(n, bn)
-    # Enough CTAs to fill the GPU twice, but at least two BLOCK_K steps per chunk.
-    split = max(1, min(_TARGET_CTAS // tiles, hidden // (2 * bk)))
-    return ShrinkConfig(split_k=split, block_m=bm, block_n=bn, block_k=bk, num_warps=4,
+    _, chunk, bm, bk, warps = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
+    split = max(1, cdiv(hidden, chunk))
+    return ShrinkConfig(split_k=split, block_m=bm, block_n=16, block_k=bk, num_warps=warps,
                         num_stages=3)
 
 
@@ -138,19 +142,20 @@ def ordered_bi_split(hidden: int) -> int:
     return cdiv(hidden, BI_CHUNK)
 
 
+# ordered_bi walks the chunks inside one CTA from this many rows on (no scratch traffic);
+# below it, the chunks are spread over CTAs and reduced in order.
+BI_CHUNKED_FROM_ROWS = 1024
+
+
 def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
     split = ordered_bi_split(hidden)
-    bn = _block_n(n)
-    # Few rows: S CTAs per tile, reduced in order through scratch. Many rows: the tiles alone
-    # fill the GPU, so one CTA walks the chunks and no partial touches memory.
-    bm = 64
-    while bm > 16 and cdiv(num_rows, bm) * cdiv(n, bn) < _TARGET_CTAS // 2:
-        bm //= 2
-    chunked = cdiv(num_rows, bm) * cdiv(n, bn) >= _TARGET_CTAS // 4
-    if not chunked:
-        bm = _block_m(num_rows)
-    return ShrinkConfig(split_k=split, block_m=bm, block_n=bn, block_k=BI_BLOCK_K, num_warps=4,
-                        num_stages=3, chunked=chunked)
+    chunked = num_rows >= BI_CHUNKED_FROM_ROWS
+    if chunked:
+        bm, warps = 64, 4
+    else:
+        bm, warps = (16, 4) if num_rows <= 64 else (32, 4)
+    return ShrinkConfig(split_k=split, block_m=bm, block_n=16, block_k=BI_BLOCK_K,
+                        num_warps=warps, num_stages=3, chunked=chunked)
 
 
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:

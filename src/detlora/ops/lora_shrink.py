@@ -77,6 +77,20 @@ def lora_shrink_ref(
 
 
 @triton.jit
+def _load_k_block(x_rows, a_cols, kb, H, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The x tile [BLOCK_M, BLOCK_K] and A^T tile [BLOCK_K, BLOCK_N] of K block ``kb``."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        xb = tl.load(x_rows[:, None] + k[None, :])
+        ab = tl.load(a_cols[None, :] + k[:, None])
+    else:
+        k_ok = k < H
+        xb = tl.load(x_rows[:, None] + k[None, :], mask=k_ok[None, :], other=0.0)
+        ab = tl.load(a_cols[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
+    return xb, ab
+
+
+@triton.jit
 def _chunk_partial(
     x_rows,  # [BLOCK_M] pointers to x rows
     a_cols,  # [BLOCK_N] pointers to A rows (one per output column)
@@ -90,18 +104,38 @@ def _chunk_partial(
 ):
     """fp32 sum over K blocks [k_block_lo, k_block_hi) in increasing order, from zero."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
     for kb in range(k_block_lo, k_block_hi):
-        k = kb * BLOCK_K + offs_k
-        if EVEN_K:
-            xb = tl.load(x_rows[:, None] + k[None, :])
-            ab = tl.load(a_cols[None, :] + k[:, None])
-        else:
-            k_ok = k < H
-            xb = tl.load(x_rows[:, None] + k[None, :], mask=k_ok[None, :], other=0.0)
-            ab = tl.load(a_cols[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
-        acc += tl.dot(xb, ab)
+        xb, ab = _load_k_block(x_rows, a_cols, kb, H, BLOCK_K, EVEN_K)
+        acc = tl.dot(xb, ab, acc)
     return acc
+
+
+@triton.jit
+def _chunked_total(
+    x_rows,
+    a_cols,
+    num_k_blocks,
+    blocks_per_chunk,
+    H,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """((0 + p0) + p1) + ... with every chunk sum p_s built exactly as _chunk_partial builds it.
+
+    One flat loop over all K blocks (so the loads stay software-pipelined across chunk
+    boundaries); at the end of each chunk its sum joins the total and the chunk restarts at 0.
+    """
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, num_k_blocks):
+        xb, ab = _load_k_block(x_rows, a_cols, kb, H, BLOCK_K, EVEN_K)
+        acc = tl.dot(xb, ab, acc)
+        chunk_end = ((kb + 1) % blocks_per_chunk == 0) | (kb == num_k_blocks - 1)
+        total = tl.where(chunk_end, total + acc, total)
+        acc = tl.where(chunk_end, 0.0, acc)
+    return total
 
 
 @triton.jit
@@ -119,7 +153,6 @@ def _shrink_kernel(
     H,
     R,
     N,
-    num_splits,
     blocks_per_chunk,
     stride_xm,
     stride_al,
@@ -130,6 +163,7 @@ def _shrink_kernel(
     stride_or,
     stride_ps,
     MODE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -144,8 +178,8 @@ def _shrink_kernel(
         split = 0
         tile = pid
     else:
-        split = pid % num_splits
-        tile = pid // num_splits
+        split = pid % SPLIT
+        tile = pid // SPLIT
     tile_n = tile % n_tiles
     tile_m = tile // n_tiles
 
@@ -185,12 +219,9 @@ def _shrink_kernel(
     a_cols = a_ptr + adapter.to(tl.int64) * stride_al + n_slice * stride_as + n_rank * stride_ar
     num_k_blocks = tl.cdiv(H, BLOCK_K)
 
-    if MODE == 4:  # _CHUNKED: ((0 + p0) + p1) + ..., the same sum ordered builds from scratch
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(0, num_splits):
-            lo = s * blocks_per_chunk
-            hi = tl.minimum(lo + blocks_per_chunk, num_k_blocks)
-            total += _chunk_partial(x_rows, a_cols, lo, hi, H, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if MODE == 4:  # _CHUNKED: the same sum ordered builds from scratch, without scratch
+        total = _chunked_total(x_rows, a_cols, num_k_blocks, blocks_per_chunk, H,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         tl.store(out_ptrs, total * scale, mask=out_ok)
         return
 
@@ -210,12 +241,13 @@ def _shrink_kernel(
             # Every thread's partial is written before the counter moves (CTA barrier, then
             # a release at GPU scope); the last CTA acquires and reads them from L2.
             tl.debug_barrier()
-            m_tiles = tl.num_programs(0) // (num_splits * n_tiles)
+            m_tiles = tl.num_programs(0) // (SPLIT * n_tiles)
             tile_id = (group * m_tiles + tile_m) * n_tiles + tile_n
             done = tl.atomic_add(counter_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
+            if done == SPLIT - 1:
+                # Unrolled, so every partial's load is in flight before the first add.
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, num_splits):
+                for s in tl.static_range(SPLIT):
                     total += tl.load(part_ptrs + s * stride_ps, mask=out_ok, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(out_ptrs, total * scale, mask=out_ok)
@@ -363,11 +395,12 @@ def lora_shrink(
         x, lora_a, out, scale_t,
         groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
         scratch, counters,
-        hidden, rank, n, splits, blocks_per_chunk,
+        hidden, rank, n, blocks_per_chunk,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         m * n,
         MODE=mode,
+        SPLIT=1 if mode == _CHUNKED else splits,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

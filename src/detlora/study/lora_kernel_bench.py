@@ -277,24 +277,31 @@ def sweep_rows(
 
 
 def _candidates(m: int, hidden: int, n: int) -> list[tuple[str, ShrinkConfig]]:
+    """A focused candidate set around the configurations lora_configs.py picks."""
     from detlora.ops.lora_configs import BI_BLOCK_K, ordered_bi_split
 
-    out: list[tuple[str, ShrinkConfig]] = [("atomic", shrink_config("atomic", m, hidden, n))]
-    n_p2 = max(16, 1 << (n - 1).bit_length())
-    bms = [16] if m <= 16 else [16, 32, 64] if m <= 256 else [32, 64, 128]
-    bns = sorted({min(n_p2, 128), 16, 64} & {b for b in (16, 32, 64, 128) if b <= n_p2})
-    splits = (1, 4, 8, 12, 16, 24, 32) if m < 256 else (1, 2, 4, 8)
-    for bm, bn, bk, warps in itertools.product(bms, bns, (64, 128, 256), (2, 4)):
-        if bm * bk > 64 * 128 or (bm >= 64 and bk == 256):
-            continue
-        for split in splits:
-            if split > 1 and hidden // split < bk:
-                continue
-            red = "unsplit" if split == 1 else "ordered"
-            out.append((red, ShrinkConfig(split, bm, bn, bk, warps, 3)))
+    out: list[tuple[str, ShrinkConfig]] = [
+        ("atomic", shrink_config("atomic", m, hidden, n)),
+        ("unsplit", shrink_config("unsplit", m, hidden, n)),
+        ("ordered", shrink_config("ordered", m, hidden, n)),
+        ("ordered_bi", shrink_config("ordered_bi", m, hidden, n)),
+    ]
+    if m <= 64:
+        tiles = [(split, 16, 128, w) for split in (8, 12, 16, 24) for w in (2, 4)]
+    elif m <= 256:
+        tiles = [(split, bm, bk, 2) for split in (4, 8) for bm, bk in ((16, 128), (32, 256))]
+    else:
+        tiles = [(split, bm, bk, w) for split in (2, 4)
+                 for bm, bk, w in ((32, 128, 2), (64, 128, 4), (64, 256, 4))]
+    for split, bm, bk, w in tiles:
+        if hidden // split >= bk:
+            out.append(("ordered", ShrinkConfig(split, bm, 16, bk, w, 3)))
     s_bi = ordered_bi_split(hidden)
-    for bm, bn, warps, chunked in itertools.product(bms, bns, (2, 4), (False, True)):
-        out.append(("ordered_bi", ShrinkConfig(s_bi, bm, bn, BI_BLOCK_K, warps, 3, chunked)))
+    for bm in (16, 32, 64):
+        out.append(("ordered_bi", ShrinkConfig(s_bi, bm, 16, BI_BLOCK_K, 4, 3, False)))
+    for bm, bn, w in ((32, 16, 4), (64, 16, 4), (64, 32, 4), (128, 16, 8), (64, 64, 4)):
+        if m >= 256:
+            out.append(("ordered_bi", ShrinkConfig(s_bi, bm, bn, BI_BLOCK_K, w, 3, True)))
     return out
 
 
@@ -320,14 +327,17 @@ class BenchPlan:
                    latency_slices=(3,), latency_adapters=(1,))
 
 
-def run(plan: BenchPlan, log: Callable[[str], None] = print) -> dict:
+def run(plan: BenchPlan, log: Callable[[str], None] = print, sweep_only: bool = False) -> dict:
     """Every GPU measurement of the LoRA kernel issue, as one results dict."""
     if not torch.cuda.is_available():
         raise RuntimeError("the LoRA kernel benchmark needs a CUDA GPU")
     result: dict = {}
     if plan.sweep_ms:
-        result["sweep"] = sweep_rows(plan.sweep_ms, 3072, 16, 3, log)
-        result["sweep"] += sweep_rows(plan.sweep_ms, 3072, 16, 1, log)
+        result["sweep"] = []
+        for hidden, rank, slices in ((3072, 16, 3), (3072, 16, 1), (4096, 64, 1)):
+            result["sweep"] += sweep_rows(plan.sweep_ms, hidden, rank, slices, log)
+    if sweep_only:
+        return result
     result["replay"] = []
     for hidden, rank, slices in ((3072, 16, 3), (4096, 64, 1)):
         result["replay"] += replay_rows(plan.replay_ms, hidden, rank, slices,
