@@ -132,3 +132,19 @@ def test_growing_workspace_during_capture_is_refused():
     with pytest.raises(ValueError, match="during CUDA-graph capture"), \
             torch.cuda.graph(graph):
         lora_shrink(x, a, groups, scale, reduction="ordered", workspace=ws)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("block_m,warps", [(16, 4), (64, 4), (128, 8)])
+def test_ordered_bi_both_paths_match_single_rows(chunked, block_m, warps):
+    from detlora.ops.lora_configs import BI_BLOCK_K, ShrinkConfig, ordered_bi_split
+
+    h, r, s = 3072, 16, 3
+    x, a, ids, scale = _inputs(2048, h, r, s, 4, seed=5)
+    alone = [lora_shrink(x[i:i + 1], a, ids[i:i + 1], scale, reduction="ordered_bi")
+             for i in range(24)]
+    cfg = ShrinkConfig(ordered_bi_split(h), block_m, 16, BI_BLOCK_K, warps, 3, chunked)
+    for m in (5, 300, 2048):
+        batch = lora_shrink(x[:m], a, ids[:m], scale, reduction="ordered_bi", config=cfg)
+        for i in range(min(m, 24)):
+            assert torch.equal(batch[:, i], alone[i][:, 0]), (m, i)
