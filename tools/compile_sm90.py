@@ -61,10 +61,11 @@ def main() -> None:
     ptrs = {n: "*fp32" for n in ("out_ptr", "scratch_ptr", "scale_ptr")}
     ptrs |= {n: "*i32" for n in ("rows_ptr", "group_start_ptr", "group_size_ptr",
                                  "group_adapter_ptr", "counter_ptr")}
-    for mode in range(5):
+    for mode in range(4):
         for bm in (16, 64):
-            consts = {"MODE": mode, "SPLIT": 1 if mode == 4 else 12, "BLOCK_M": bm,
-                      "BLOCK_N": 16, "BLOCK_K": 128, "EVEN_K": True}
+            consts = {"MODE": mode, "SPLIT": 1 if mode == 0 else 12, "TAIL_GROUP": 3,
+                      "TREE_IN_CTA": mode in (0, 2), "BLOCK_M": bm, "BLOCK_N": 16,
+                      "BLOCK_K": 128, "EVEN_K": True}
             k, dt = compile_kernel(lora_shrink._shrink_kernel, consts, ptrs, div16=ints)
             print(f"shrink mode={mode} BLOCK_M={bm}: {ptx_summary(k.asm['ptx'])} ({dt:.1f}s)")
     k, _ = compile_kernel(

@@ -1,14 +1,16 @@
 """Kernel configurations for the LoRA shrink and expand, chosen per call shape.
 
-The split count and BLOCK_K decide a shrink row's bits; BLOCK_M, BLOCK_N, warps and stages do
-not (each output element is the same sequence of fp32 MMA accumulations, which the GPU tests
-prove with ``torch.equal``). So:
+A shrink row's bits are decided by its *reduction tree* alone: the hidden axis is cut into
+chunks (each summed from zero in BLOCK_K steps), chunks into groups (each group sum starts from
+zero and adds its chunk sums in order), and the total starts from zero and adds the group sums
+in order. BLOCK_M, BLOCK_N, warps and stages do not change a row's bits (the GPU tests prove it
+with ``torch.equal``), and neither does *where* each level is summed: one CTA per chunk with the
+rest summed by the last CTA, one CTA per group, or one CTA for everything. So:
 
-* ``ordered`` may pick its split from the row count: repeatable for a fixed batch.
-* ``ordered_bi`` fixes split count and BLOCK_K per hidden size, never from the row count, and
-  only switches *where* the chunks are summed: in S CTAs reduced in order (few rows), or in one
-  CTA chunk by chunk (many rows, no scratch traffic). Both compute
-  ``((0 + p0) + p1) + ... + p(S-1)`` with every ``p`` summed in the same BLOCK_K order.
+* ``ordered`` may pick its tree from the row count: repeatable for a fixed batch.
+* ``ordered_bi`` fixes the tree per hidden size (chunk 256, 3 chunks a group) and lets the row
+  count choose only where the levels are summed: many CTAs for decode, few or one (no scratch
+  traffic) for prefill. A row is then the same at M = 1 and at M = 8192.
 """
 
 from __future__ import annotations
@@ -18,14 +20,21 @@ from dataclasses import dataclass
 from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
 
-# ordered_bi: every K chunk covers this many hidden elements, in BLOCK_K = 128 steps.
+# ordered_bi's tree: chunks of this many hidden elements in BLOCK_K = 128 steps, 3 per group.
 BI_CHUNK = 256
 BI_BLOCK_K = 128
+BI_GROUP_CHUNKS = 3
+
+CTA_COVERS = ("chunk", "group", "all")
 
 
 @dataclass(frozen=True)
 class ShrinkConfig:
-    """How one shrink call is tiled. ``split_k`` counts K chunks that hold work."""
+    """How one shrink call is tiled and which reduction tree it computes.
+
+    ``split_k`` counts K chunks; ``group_chunks`` chunks make a group; ``cta_covers`` says
+    what one CTA along K reduces: a chunk, a group, or all of K.
+    """
 
     split_k: int
     block_m: int
@@ -33,7 +42,8 @@ class ShrinkConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    chunked: bool = False  # one CTA sums all split_k chunks in order (ordered_bi, many rows)
+    group_chunks: int = 1
+    cta_covers: str = "chunk"
 
     def chunk_size(self, hidden: int) -> int:
         """Hidden elements per K chunk: a multiple of block_k."""
@@ -42,6 +52,14 @@ class ShrinkConfig:
     def num_chunks(self, hidden: int) -> int:
         """Chunks that hold work once the chunk size is rounded up to block_k."""
         return cdiv(hidden, self.chunk_size(hidden))
+
+    def ctas_along_k(self, hidden: int) -> int:
+        chunks = self.num_chunks(hidden)
+        if self.cta_covers == "chunk":
+            return chunks
+        if self.cta_covers == "group":
+            return cdiv(chunks, self.group_chunks)
+        return 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,14 @@ class ExpandConfig:
 
 def _block_n(n: int, cap: int = 128) -> int:
     return min(max(16, next_power_of_2(n)), cap)
+
+
+def _block_m(num_rows: int) -> int:
+    if num_rows <= 16:
+        return 16
+    if num_rows <= 32:
+        return 32
+    return 64
 
 
 def vllm_default_shrink_config(num_rows: int) -> ShrinkConfig:
@@ -81,11 +107,11 @@ def shrink_config(
     if reduction is LoRAReduction.ATOMIC:
         cfg = vllm_default_shrink_config(num_rows)
     elif reduction is LoRAReduction.UNSPLIT:
-        cfg = _unsplit_config(num_rows, n)
+        cfg = _unsplit_config(num_rows)
     elif reduction is LoRAReduction.ORDERED_BI:
         cfg = _ordered_bi_config(num_rows, hidden, n)
     else:  # ordered and tree share the split choice; they differ in how partials are summed
-        cfg = _ordered_config(num_rows, hidden, n)
+        cfg = _ordered_config(num_rows, hidden)
     return _trim_split(cfg, hidden)
 
 
@@ -94,68 +120,57 @@ def _trim_split(cfg: ShrinkConfig, hidden: int) -> ShrinkConfig:
     real = cfg.num_chunks(hidden)
     if real == cfg.split_k:
         return cfg
-    return ShrinkConfig(
-        split_k=real,
-        block_m=cfg.block_m,
-        block_n=cfg.block_n,
-        block_k=cfg.block_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        chunked=cfg.chunked,
-    )
+    return ShrinkConfig(real, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                        cfg.num_stages, cfg.group_chunks, cfg.cta_covers)
 
 
-def _block_m(num_rows: int) -> int:
-    if num_rows <= 16:
-        return 16
-    if num_rows <= 32:
-        return 32
-    return 64
-
-
-# Tilings measured best on the H200 (benchmarks/results/lora_sweep.json: H = 3072, r = 16,
-# 1 and 3 slices; BLOCK_N = 16 won everywhere: the shrink is latency-bound, so more CTAs beat
-# wider tiles). Rows: (largest M, hidden elements per K chunk, BLOCK_M, BLOCK_K, warps).
+# Tilings measured best on the H200 (benchmarks/results/lora_sweep.json: H = 3072 and 4096,
+# r = 16 and 64, 1 and 3 slices; BLOCK_N = 16 won everywhere: the shrink is latency-bound, so
+# more CTAs beat wider tiles). Rows: (largest M, hidden elements per chunk, BLOCK_M, BLOCK_K,
+# warps).
 _ORDERED_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (64, 256, 16, 128, 4),
+    (16, 256, 16, 128, 4),
+    (64, 256, 32, 128, 4),
     (256, 768, 32, 256, 2),
     (1024, 768, 32, 128, 2),
     (1 << 62, 1536, 64, 128, 4),
 )
 
 
-def _unsplit_config(num_rows: int, n: int) -> ShrinkConfig:
+def _unsplit_config(num_rows: int) -> ShrinkConfig:
     bm = 16 if num_rows <= 256 else 32
     return ShrinkConfig(split_k=1, block_m=bm, block_n=16, block_k=256, num_warps=2,
                         num_stages=3)
 
 
-def _ordered_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
+def _ordered_config(num_rows: int, hidden: int) -> ShrinkConfig:
     _, chunk, bm, bk, warps = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
-    split = max(1, cdiv(hidden, chunk))
-    return ShrinkConfig(split_k=split, block_m=bm, block_n=16, block_k=bk, num_warps=warps,
-                        num_stages=3)
+    return ShrinkConfig(split_k=max(1, cdiv(hidden, chunk)), block_m=bm, block_n=16,
+                        block_k=bk, num_warps=warps, num_stages=3)
 
 
 def ordered_bi_split(hidden: int) -> int:
-    """The fixed split count of ordered_bi for a hidden size (never depends on rows)."""
+    """The fixed chunk count of ordered_bi for a hidden size (never depends on rows)."""
     return cdiv(hidden, BI_CHUNK)
 
 
-# ordered_bi walks the chunks inside one CTA from this many rows on (no scratch traffic);
-# below it, the chunks are spread over CTAs and reduced in order.
-BI_CHUNKED_FROM_ROWS = 1024
+# ordered_bi: one CTA per chunk up to this many rows (decode), one CTA per group above.
+BI_CHUNK_CTAS_UP_TO_ROWS = 64
+# One CTA for all of K once the (M, N) tiles alone fill the GPU twice (132 SMs on an H200).
+BI_WHOLE_K_FROM_TILES = 264
 
 
 def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
-    split = ordered_bi_split(hidden)
-    chunked = num_rows >= BI_CHUNKED_FROM_ROWS
-    if chunked:
-        bm, warps = 64, 4
+    _, _, bm, _, warps = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
+    if num_rows <= BI_CHUNK_CTAS_UP_TO_ROWS:
+        covers = "chunk"
+    elif cdiv(num_rows, bm) * cdiv(n, 16) >= BI_WHOLE_K_FROM_TILES:
+        covers = "all"
     else:
-        bm, warps = (16, 4) if num_rows <= 64 else (32, 4)
-    return ShrinkConfig(split_k=split, block_m=bm, block_n=16, block_k=BI_BLOCK_K,
-                        num_warps=warps, num_stages=3, chunked=chunked)
+        covers = "group"
+    return ShrinkConfig(split_k=ordered_bi_split(hidden), block_m=bm, block_n=16,
+                        block_k=BI_BLOCK_K, num_warps=max(warps, 4), num_stages=3,
+                        group_chunks=BI_GROUP_CHUNKS, cta_covers=covers)
 
 
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:

@@ -20,9 +20,10 @@ Reductions: how the H axis is summed when it is split across CTAs (Split-K).
                 (acq_rel, GPU scope); the CTA that sees S_k - 1 sums the partials in split
                 order, scales, stores the tile with a plain store and resets the counter to
                 zero. No init launch, no output zeroing, scratch allocated once.
-    ordered_bi  ordered with split count and BLOCK_K fixed per H; with many rows one CTA walks
-                the chunks itself. Either way a row is ``((0 + p0) + p1) + ...`` with the same
-                p's, so its bits do not depend on the row count.
+    ordered_bi  ordered with a reduction tree fixed per H (chunks of 256 summed from zero,
+                3 chunks a group, group sums added in order); the row count only decides
+                where each level is summed (one CTA per chunk, per group, or for all of K),
+                so a row's bits do not depend on how many rows share the call.
     tree        S_k CTAs store partials; a second launch sums them in a fixed pairwise tree
                 ``(p0 + p1) + (p2 + p3)`` (the paper's earlier design, kept for comparison).
 """
@@ -37,14 +38,14 @@ from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
-from detlora.ops.lora_configs import ShrinkConfig, shrink_config
+from detlora.ops.lora_configs import CTA_COVERS, ShrinkConfig, shrink_config
 from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace, default_workspace
 
 MAX_SLICES = 3
 _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
-# Kernel modes (constexpr).
-_UNSPLIT, _ATOMIC, _ORDERED, _TREE, _CHUNKED = 0, 1, 2, 3, 4
+# Kernel modes (constexpr): how a CTA's K partial leaves the CTA.
+_STORE, _ATOMIC, _ORDERED, _TREE = 0, 1, 2, 3
 
 
 # ----------------------------------------------------------------------------- reference
@@ -111,30 +112,39 @@ def _chunk_partial(
 
 
 @triton.jit
-def _chunked_total(
+def _tree_sum(
     x_rows,
     a_cols,
+    k_block_lo,
+    k_block_hi,
     num_k_blocks,
     blocks_per_chunk,
+    blocks_per_group,
     H,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """((0 + p0) + p1) + ... with every chunk sum p_s built exactly as _chunk_partial builds it.
+    """The two-level tree over K blocks [lo, hi) (which start on a group boundary).
 
-    One flat loop over all K blocks (so the loads stay software-pipelined across chunk
-    boundaries); at the end of each chunk its sum joins the total and the chunk restarts at 0.
+    Chunk sums start from zero and are built exactly as _chunk_partial builds them; group
+    sums start from zero and add chunk sums in order; the result starts from zero and adds
+    group sums in order. One flat loop keeps the loads software-pipelined across boundaries.
     """
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    group_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, num_k_blocks):
+    for kb in range(k_block_lo, k_block_hi):
         xb, ab = _load_k_block(x_rows, a_cols, kb, H, BLOCK_K, EVEN_K)
         acc = tl.dot(xb, ab, acc)
-        chunk_end = ((kb + 1) % blocks_per_chunk == 0) | (kb == num_k_blocks - 1)
-        total = tl.where(chunk_end, total + acc, total)
+        last = kb == num_k_blocks - 1
+        chunk_end = ((kb + 1) % blocks_per_chunk == 0) | last
+        group_end = ((kb + 1) % blocks_per_group == 0) | last
+        group_sum = tl.where(chunk_end, group_sum + acc, group_sum)
         acc = tl.where(chunk_end, 0.0, acc)
+        total = tl.where(group_end, total + group_sum, total)
+        group_sum = tl.where(group_end, 0.0, group_sum)
     return total
 
 
@@ -154,6 +164,8 @@ def _shrink_kernel(
     R,
     N,
     blocks_per_chunk,
+    blocks_per_group,
+    blocks_per_cta,
     stride_xm,
     stride_al,
     stride_as,
@@ -164,6 +176,8 @@ def _shrink_kernel(
     stride_ps,
     MODE: tl.constexpr,
     SPLIT: tl.constexpr,
+    TAIL_GROUP: tl.constexpr,
+    TREE_IN_CTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -174,12 +188,8 @@ def _shrink_kernel(
     pid = tl.program_id(0)
     group = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    if MODE == 4:  # _CHUNKED: one CTA per tile
-        split = 0
-        tile = pid
-    else:
-        split = pid % SPLIT
-        tile = pid // SPLIT
+    split = pid % SPLIT
+    tile = pid // SPLIT
     tile_n = tile % n_tiles
     tile_m = tile // n_tiles
 
@@ -210,7 +220,7 @@ def _shrink_kernel(
     if adapter < 0:
         # Rows without an adapter are zero; atomic's output is zeroed already and tree's
         # second launch writes them.
-        if (MODE == 0 or MODE == 2 or MODE == 4) and split == 0:
+        if (MODE == 0 or MODE == 2) and split == 0:
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_ok)
         return
 
@@ -219,17 +229,16 @@ def _shrink_kernel(
     a_cols = a_ptr + adapter.to(tl.int64) * stride_al + n_slice * stride_as + n_rank * stride_ar
     num_k_blocks = tl.cdiv(H, BLOCK_K)
 
-    if MODE == 4:  # _CHUNKED: the same sum ordered builds from scratch, without scratch
-        total = _chunked_total(x_rows, a_cols, num_k_blocks, blocks_per_chunk, H,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        tl.store(out_ptrs, total * scale, mask=out_ok)
-        return
+    # This CTA's share of K: one chunk, one group, or all of it.
+    lo = split * blocks_per_cta
+    hi = tl.minimum(lo + blocks_per_cta, num_k_blocks)
+    if TREE_IN_CTA:
+        acc = _tree_sum(x_rows, a_cols, lo, hi, num_k_blocks, blocks_per_chunk, blocks_per_group,
+                        H, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        acc = _chunk_partial(x_rows, a_cols, lo, hi, H, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
-    lo = split * blocks_per_chunk
-    hi = tl.minimum(lo + blocks_per_chunk, num_k_blocks)
-    acc = _chunk_partial(x_rows, a_cols, lo, hi, H, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-
-    if MODE == 0:  # _UNSPLIT
+    if MODE == 0:  # _STORE: this CTA reduced all of K
         tl.store(out_ptrs, acc * scale, mask=out_ok)
     elif MODE == 1:  # _ATOMIC
         tl.atomic_add(out_ptrs, acc * scale, mask=out_ok, sem="relaxed")
@@ -245,11 +254,17 @@ def _shrink_kernel(
             tile_id = (group * m_tiles + tile_m) * n_tiles + tile_n
             done = tl.atomic_add(counter_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:
-                # Unrolled, so every partial's load is in flight before the first add.
+                # The rest of the tree, in order: groups of TAIL_GROUP partials summed from
+                # zero, then added to a total from zero. Unrolled, so every partial's load
+                # is in flight before the first add.
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                group_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
-                    total += tl.load(part_ptrs + s * stride_ps, mask=out_ok, other=0.0,
-                                     cache_modifier=".cg")
+                    group_sum += tl.load(part_ptrs + s * stride_ps, mask=out_ok, other=0.0,
+                                         cache_modifier=".cg")
+                    if (s + 1) % TAIL_GROUP == 0 or s == SPLIT - 1:
+                        total += group_sum
+                        group_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 tl.store(out_ptrs, total * scale, mask=out_ok)
                 tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
 
@@ -368,9 +383,15 @@ def lora_shrink(
     n = slices * rank
     cfg = config or shrink_config(reduction, m, hidden, n)
     _check_config(cfg, reduction)
-    chunk = cfg.chunk_size(hidden)
-    splits = cdiv(hidden, chunk)
-    blocks_per_chunk = chunk // cfg.block_k
+    blocks_per_chunk = cfg.chunk_size(hidden) // cfg.block_k
+    blocks_per_group = blocks_per_chunk * cfg.group_chunks
+    num_k_blocks = cdiv(hidden, cfg.block_k)
+    splits = cfg.ctas_along_k(hidden)  # CTAs along K
+    covers = cfg.cta_covers if splits > 1 else "all"
+    blocks_per_cta = {"chunk": blocks_per_chunk, "group": blocks_per_group,
+                      "all": num_k_blocks}[covers]
+    # A CTA that covers more than one chunk sums its share as a tree; one chunk is plain.
+    tree_in_cta = blocks_per_cta > blocks_per_chunk and num_k_blocks > blocks_per_chunk
     m_tiles = cdiv(m, cfg.block_m)
     n_tiles = cdiv(n, cfg.block_n)
 
@@ -379,28 +400,27 @@ def lora_shrink(
         out.zero_()
     elif reduction is LoRAReduction.TREE:
         mode = _TREE
-    elif cfg.chunked or splits == 1:
-        mode = _CHUNKED if cfg.chunked else _UNSPLIT
     else:
-        mode = _ORDERED
+        mode = _STORE if splits == 1 else _ORDERED
 
     uses_scratch = mode in (_ORDERED, _TREE)
     scratch = workspace.scratch(splits * m * n) if uses_scratch else out
     counters = (
         workspace.counters(groups.num_groups * m_tiles * n_tiles) if mode == _ORDERED else out
     )
-    grid_splits = 1 if mode == _CHUNKED else splits
-    grid = (m_tiles * n_tiles * grid_splits, groups.num_groups)
+    grid = (m_tiles * n_tiles * splits, groups.num_groups)
     _shrink_kernel[grid](
         x, lora_a, out, scale_t,
         groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
         scratch, counters,
-        hidden, rank, n, blocks_per_chunk,
+        hidden, rank, n, blocks_per_chunk, blocks_per_group, blocks_per_cta,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         m * n,
         MODE=mode,
-        SPLIT=1 if mode == _CHUNKED else splits,
+        SPLIT=splits,
+        TAIL_GROUP=cfg.group_chunks if covers == "chunk" else 1,
+        TREE_IN_CTA=tree_in_cta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -433,8 +453,16 @@ def _check_config(cfg: ShrinkConfig, reduction: LoRAReduction) -> None:
             raise ValueError(f"config.{name} must be a power of two >= 16, got {v}")
     if cfg.split_k < 1:
         raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
-    if cfg.chunked and reduction is not LoRAReduction.ORDERED_BI:
-        raise ValueError(f"config.chunked is only meaningful for ordered_bi, not {reduction.value}")
+    if cfg.group_chunks < 1:
+        raise ValueError(f"config.group_chunks must be >= 1, got {cfg.group_chunks}")
+    if cfg.cta_covers not in CTA_COVERS:
+        raise ValueError(f"config.cta_covers must be one of {CTA_COVERS}, got {cfg.cta_covers!r}")
+    plain = cfg.group_chunks == 1 and cfg.cta_covers == "chunk"
+    if reduction in (LoRAReduction.ATOMIC, LoRAReduction.TREE) and not plain:
+        raise ValueError(
+            f"{reduction.value} sums one chunk per CTA: config.group_chunks must be 1 and "
+            f"config.cta_covers 'chunk', got {cfg.group_chunks} and {cfg.cta_covers!r}"
+        )
 
 
 def _scale_tensor(

@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens
-from detlora.ops.lora_configs import ShrinkConfig, shrink_config
+from detlora.ops.lora_configs import ShrinkConfig, shrink_config, vllm_default_shrink_config
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_shrink import lora_shrink
 from detlora.study.replay import replay
@@ -203,11 +203,19 @@ def latency_rows(
             cfg = shrink_config(red, m, h, s * r)
             us = time_shrink(p, red, sets)
             rows.append({"M": m, "H": h, "r": r, "slices": s, "adapters": a, "reduction": red,
-                         "split_k": cfg.split_k, "chunked": cfg.chunked, "us": round(us, 3)})
+                         "split_k": cfg.ctas_along_k(h), "cta_covers": cfg.cta_covers,
+                         "us": round(us, 3)})
             line.append(f"{red}={us:.2f}")
+        # The paper's Split-K = 1 baseline: vLLM's default tiles with one split.
+        vllm1 = replace(vllm_default_shrink_config(m), split_k=1)
+        us = time_shrink(p, "unsplit", sets, vllm1)
+        rows.append({"M": m, "H": h, "r": r, "slices": s, "adapters": a,
+                     "reduction": "unsplit_vllm", "split_k": 1, "cta_covers": "all",
+                     "us": round(us, 3)})
+        line.append(f"unsplit_vllm={us:.2f}")
         us = time_torch_mm(p, sets)
         rows.append({"M": m, "H": h, "r": r, "slices": s, "adapters": a, "reduction": "torch_mm",
-                     "split_k": 1, "chunked": False, "us": round(us, 3)})
+                     "split_k": 1, "cta_covers": "all", "us": round(us, 3)})
         log(f"lat M={m:5d} H={h} r={r:3d} s={s} a={a} " + " ".join(line) + f" mm={us:.2f}")
         del sets
     return rows
@@ -223,6 +231,8 @@ def summarize_targets(latency: list[dict]) -> dict:
     bi_vs_ord = {k: v["ordered_bi"] / v["ordered"] for k, v in by_point.items()}
     unsplit_vs_ord_small = {k: v["unsplit"] / v["ordered"] for k, v in by_point.items()
                             if k[0] <= 16}
+    vllm1_vs_ord_small = {k: v["unsplit_vllm"] / v["ordered"] for k, v in by_point.items()
+                          if k[0] <= 16 and "unsplit_vllm" in v}
     worst = max(ord_vs_atomic, key=ord_vs_atomic.get)
     worst_small = min(unsplit_vs_ord_small, key=unsplit_vs_ord_small.get)
     worst_bi = max(bi_vs_ord, key=bi_vs_ord.get)
@@ -236,6 +246,10 @@ def summarize_targets(latency: list[dict]) -> dict:
         "unsplit_over_ordered_min_at": dict(zip(keys, worst_small, strict=False)),
         "unsplit_over_ordered_median_M_le_16": round(
             statistics.median(unsplit_vs_ord_small.values()), 4),
+        "unsplit_vllm_over_ordered_min_M_le_16": round(min(vllm1_vs_ord_small.values()), 4)
+        if vllm1_vs_ord_small else None,
+        "unsplit_vllm_over_ordered_median_M_le_16": round(
+            statistics.median(vllm1_vs_ord_small.values()), 4) if vllm1_vs_ord_small else None,
         "ordered_bi_over_ordered_median": round(statistics.median(bi_vs_ord.values()), 4),
         "ordered_bi_over_ordered_max": round(bi_vs_ord[worst_bi], 4),
         "ordered_bi_over_ordered_max_at": dict(zip(keys, worst_bi, strict=False)),
@@ -264,7 +278,7 @@ def sweep_rows(
                 log(f"sweep M={m} {red} {cfg} failed: {exc!r}"[:300])
                 continue
             rows.append({"M": m, "H": hidden, "r": rank, "slices": slices, "reduction": red,
-                         "config": cfg.__dict__, "us": round(us, 3)})
+                         "config": dict(cfg.__dict__), "us": round(us, 3)})
         best: dict[str, dict] = {}
         for row in rows:
             if row["M"] == m and (row["reduction"] not in best
@@ -278,7 +292,7 @@ def sweep_rows(
 
 def _candidates(m: int, hidden: int, n: int) -> list[tuple[str, ShrinkConfig]]:
     """A focused candidate set around the configurations lora_configs.py picks."""
-    from detlora.ops.lora_configs import BI_BLOCK_K, ordered_bi_split
+    from detlora.ops.lora_configs import BI_BLOCK_K, BI_GROUP_CHUNKS, CTA_COVERS, ordered_bi_split
 
     out: list[tuple[str, ShrinkConfig]] = [
         ("atomic", shrink_config("atomic", m, hidden, n)),
@@ -297,11 +311,11 @@ def _candidates(m: int, hidden: int, n: int) -> list[tuple[str, ShrinkConfig]]:
         if hidden // split >= bk:
             out.append(("ordered", ShrinkConfig(split, bm, 16, bk, w, 3)))
     s_bi = ordered_bi_split(hidden)
-    for bm in (16, 32, 64):
-        out.append(("ordered_bi", ShrinkConfig(s_bi, bm, 16, BI_BLOCK_K, 4, 3, False)))
-    for bm, bn, w in ((32, 16, 4), (64, 16, 4), (64, 32, 4), (128, 16, 8), (64, 64, 4)):
-        if m >= 256:
-            out.append(("ordered_bi", ShrinkConfig(s_bi, bm, bn, BI_BLOCK_K, w, 3, True)))
+    for bm, bn, w, covers in itertools.product((16, 32, 64), (16,), (4,), CTA_COVERS):
+        if (covers == "all" and m < 256) or (covers == "chunk" and m > 1024):
+            continue
+        out.append(("ordered_bi", ShrinkConfig(s_bi, bm, bn, BI_BLOCK_K, w, 3, BI_GROUP_CHUNKS,
+                                               covers)))
     return out
 
 
