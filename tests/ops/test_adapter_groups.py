@@ -1,0 +1,42 @@
+"""Token-to-adapter grouping: stable order, sizes, no host sync, range checks."""
+
+import pytest
+import torch
+
+from detlora.ops.adapter_groups import group_tokens
+
+
+def test_groups_rows_stably_by_adapter_with_nonempty_groups_first():
+    ids = torch.tensor([2, -1, 0, 2, 0, -1, 2], dtype=torch.int32)
+    g = group_tokens(ids, 4)
+    assert g.num_groups == min(7, 4 + 1)
+    sizes = g.group_size.tolist()
+    adapters = g.group_adapter.tolist()
+    seen = {a: sz for a, sz in zip(adapters, sizes, strict=True) if sz}
+    assert seen == {-1: 2, 0: 2, 2: 3}
+    assert all(sz > 0 for sz in sizes[:3]) and all(sz == 0 for sz in sizes[3:])
+    for a, start, size in zip(adapters, g.group_start.tolist(), sizes, strict=True):
+        rows = g.sorted_rows[start:start + size].tolist()
+        assert rows == [i for i, v in enumerate(ids.tolist()) if v == a]  # stable
+
+
+def test_group_axis_never_exceeds_rows():
+    g = group_tokens(torch.tensor([3], dtype=torch.int32), 8)
+    assert g.num_groups == 1 and g.group_adapter.tolist() == [3]
+
+
+@pytest.mark.parametrize("bad,match", [(5, "adapter id 5, outside"), (-3, "adapter id -3")])
+def test_out_of_range_ids_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        group_tokens(torch.tensor([0, bad], dtype=torch.int32), 4)
+
+
+def test_other_bad_inputs_raise():
+    with pytest.raises(ValueError, match="num_adapters must be a positive int"):
+        group_tokens(torch.tensor([0], dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="token_adapter must have 1 dimensions"):
+        group_tokens(torch.zeros(2, 2, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="token_adapter must have dtype"):
+        group_tokens(torch.zeros(2), 2)
+    with pytest.raises(ValueError, match="at least one row"):
+        group_tokens(torch.zeros(0, dtype=torch.int32), 2)
