@@ -1,0 +1,117 @@
+"""Summarise benchmarks/results/*.json as the Markdown tables README.md shows.
+
+    python benchmarks/report.py            # print the tables
+    python benchmarks/report.py --readme   # rewrite README.md between the RESULTS markers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
+
+
+def _meta_line(meta: dict) -> str:
+    return (f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
+            f"{meta['triton']}, commit `{meta['commit'][:10]}`, {meta['date']}, "
+            f"`{meta['command']}`")
+
+
+def lora_kernels(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    lines = [f"**LoRA shrink kernels** ({_meta_line(d['meta'])})", ""]
+    shapes = sorted({(r["M"], r["H"], r["r"]) for r in d["replay"]})
+    lines += [f"Replay on identical inputs, {len(shapes)} shapes (M in "
+              f"{sorted({s[0] for s in shapes})}, (H, r) in {sorted({s[1:] for s in shapes})}), "
+              f"{d['replay'][0]['comparisons'] + 1} executions each (paper section 5.2):", "",
+              "| reduction | differing runs | differing elements | max abs diff |",
+              "|---|---|---|---|"]
+    by_red: dict[str, list[dict]] = defaultdict(list)
+    for row in d["replay"]:
+        by_red[row["reduction"]].append(row)
+    for red, rows in by_red.items():
+        runs = sum(r["differing"] for r in rows)
+        comps = sum(r["comparisons"] for r in rows)
+        frac = statistics.mean(r["differing_element_fraction"] for r in rows)
+        lines.append(f"| {red} | {runs}/{comps} | {frac:.1%} | "
+                     f"{max(r['max_abs_diff'] for r in rows):.2g} |")
+    lines += ["", "Batch invariance (each row alone vs inside M = "
+              f"{d['batch_invariance'][0]['M_values']}):", "",
+              "| reduction | adapters | rows checked | mismatches |", "|---|---|---|---|"]
+    for row in d["batch_invariance"]:
+        lines.append(f"| {row['reduction']} | {row.get('adapters', '')} | "
+                     f"{row['rows_checked']} | {row['mismatches']} |")
+    by_m: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    points: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for row in d["latency"]:
+        key = (row["M"], row["H"], row["r"], row["slices"], row["adapters"])
+        points[key][row["reduction"]] = row["us"]
+    for key, v in points.items():
+        for red in ("unsplit", "unsplit_vllm", "ordered_bi", "tree", "torch_mm"):
+            if red in v:
+                by_m[key[0]][f"{red}/ordered"].append(v[red] / v["ordered"])
+        by_m[key[0]]["ordered/atomic"].append(v["ordered"] / v["atomic"])
+        by_m[key[0]]["ordered_us"].append(v["ordered"])
+    cols = ["ordered_us", "ordered/atomic", "ordered_bi/ordered", "unsplit/ordered",
+            "unsplit_vllm/ordered", "tree/ordered"]
+    lines += ["", "Latency, CUDA-graph replay, median over H {2048, 3072, 4096} x r {16, 32, 64} "
+              "x slices {1, 3} x adapters {1, 4}; a/b is time a over time b (< 1: a is "
+              "faster):", "",
+              "| M | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m in sorted(by_m):
+        cells = [f"{statistics.median(by_m[m][c]):.2f}" if by_m[m][c] else "-" for c in cols]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    t = d.get("targets", {})
+    if t:
+        lines += ["", "Targets over all points: ordered/atomic median "
+                  f"{t['ordered_over_atomic_median']} (max {t['ordered_over_atomic_max']}, "
+                  f"{t['ordered_over_atomic_points_above_1.05']} of {t['points']} points above "
+                  f"1.05); unsplit/ordered for M <= 16 median "
+                  f"{t['unsplit_over_ordered_median_M_le_16']} (min "
+                  f"{t['unsplit_over_ordered_min_M_le_16']}), against vLLM's Split-K=1 tiles "
+                  f"median {t.get('unsplit_vllm_over_ordered_median_M_le_16')} (min "
+                  f"{t.get('unsplit_vllm_over_ordered_min_M_le_16')}); ordered_bi/ordered median "
+                  f"{t['ordered_bi_over_ordered_median']} (max "
+                  f"{t['ordered_bi_over_ordered_max']})."]
+    return lines
+
+
+def other(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    meta = d.get("meta")
+    return [f"**{path.stem}**: see `{path.relative_to(ROOT)}`"
+            + (f" ({_meta_line(meta)})" if meta else "")]
+
+
+def tables() -> list[str]:
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.name == "lora_kernels.json":
+            out += [*lora_kernels(path), ""]
+        elif path.name != "lora_sweep.json":
+            out += [*other(path), ""]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--readme", action="store_true")
+    args = parser.parse_args()
+    text = "\n".join(tables())
+    if not args.readme:
+        print(text)
+        return
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    start, end = body.index(BEGIN) + len(BEGIN), body.index(END)
+    readme.write_text(body[:start] + "\n" + text + "\n" + body[end:])
+
+
+if __name__ == "__main__":
+    main()
