@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in one call on the GPU machine (no installs there:
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
-#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] ...
+#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] ...
+# With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests kernels)
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels ops engine)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu \
   --format=csv | tee "$OUT/nvidia_smi.txt"
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests) python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+    tests) python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
              | tail -n 25 || status=1 ;;
     kernels) python3 -m detlora.cli bench kernels --out "$OUT/lora_kernels.json" || status=1 ;;
     kernels-quick) python3 -m detlora.cli bench kernels --quick \
                      --out "$OUT/lora_kernels_quick.json" || status=1 ;;
-    sweep) python3 -m detlora.cli bench kernels --quick --sweep \
+    sweep) python3 -m detlora.cli bench kernels --sweep-only \
              --out "$OUT/lora_sweep.json" || status=1 ;;
+    ops) python3 -m detlora.study.bi_ops_bench --out "$OUT/batch_invariant_ops.json" \
+           || status=1 ;;
+    engine) python3 -m detlora.study.bench_engine --out "$OUT/engine.json" || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
