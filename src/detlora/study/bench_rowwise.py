@@ -1,0 +1,267 @@
+"""Row-wise kernel study (GPU): batch invariance of every row-wise op, and latency of RMSNorm
+and log-softmax against the bandwidth floor and a device-to-device copy of the same bytes.
+
+``run()`` returns ``{"invariance": [...], "latency": [...], "targets": {...}}``:
+    invariance  {"op", "shape", "check": "batch_sizes", "cases", "mismatches"}: each of the
+                first rows computed alone (M = 1) against the same row inside every larger M.
+    latency     {"op", "shape", "M", "impl", "us"}; impl is "detlora" (measured), "torch"
+                (measured, the eager torch op, no invariance promise), "copy" (measured
+                ``copy_`` moving the same bytes) or "floor" (bytes moved / 4.3e12 B/s).
+    targets     the fraction of the floor that rms_norm and fused_add_rms_norm reach at
+                M >= 256 (target: >= 0.8).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from detlora.ops.embedding import embedding
+from detlora.ops.reductions import argmax, mean
+from detlora.ops.rms_norm import fused_add_rms_norm, rms_norm
+from detlora.ops.rotary import rope_cos_sin_cache, rotary
+from detlora.ops.silu_and_mul import silu_and_mul
+from detlora.ops.softmax import log_softmax, softmax
+from detlora.study.timing import input_sets_for, time_graph_us
+
+HBM_BYTES_PER_S = 4.3e12  # H200 (DESIGN.md, "Measuring")
+BATCH_SIZES = (2, 3, 7, 16, 64, 128, 257, 1024, 4096)
+ROWS_CHECKED = 32
+LATENCY_MS = (1, 4, 16, 64, 256, 1024, 4096)
+SOFTMAX_MS = (1, 64, 256)
+EPS = 1e-5
+DTYPE = torch.bfloat16
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+# ----------------------------------------------------------------------------- invariance
+
+
+@dataclass(frozen=True)
+class RowCase:
+    """One op on one shape: ``setup(m_max)`` builds inputs once; ``call(inputs, m)`` runs the
+    op on the first m rows and returns its outputs, each with rows on the first axis."""
+
+    op: str
+    shape: str
+    setup: Callable[[int, torch.Generator], object]
+    call: Callable[[object, int, int], Sequence[torch.Tensor]]
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(DTYPE)
+
+
+def _rms_cases(hidden: int) -> list[RowCase]:
+    def setup(m: int, g: torch.Generator):
+        return _randn(g, m, hidden, scale=3), _randn(g, m, hidden), _randn(g, hidden) + 1
+
+    return [
+        RowCase("rms_norm", f"H={hidden}", setup,
+                lambda d, lo, hi: (rms_norm(d[0][lo:hi], d[2], EPS),)),
+        RowCase("fused_add_rms_norm", f"H={hidden}", setup,
+                lambda d, lo, hi: fused_add_rms_norm(d[0][lo:hi], d[1][lo:hi], d[2], EPS)),
+    ]
+
+
+def _rotary_case(hq: int, hk: int, d: int) -> RowCase:
+    cos_sin = rope_cos_sin_cache(d, 8192, 500000.0, LLAMA3).cuda()
+
+    def setup(m: int, g: torch.Generator):
+        qkv = _randn(g, m, (hq + 2 * hk) * d)  # q and k as views of a fused qkv output
+        pos = torch.randint(0, 8192, (m,), device="cuda", generator=g)
+        return qkv, pos
+
+    def call(data, lo: int, hi: int):
+        qkv, pos = data
+        q = qkv[lo:hi, : hq * d].view(hi - lo, hq, d)
+        k = qkv[lo:hi, hq * d: (hq + hk) * d].view(hi - lo, hk, d)
+        return rotary(q, k, pos[lo:hi], cos_sin, validate=False)
+
+    return RowCase("rotary", f"Hq={hq},Hk={hk},D={d}", setup, call)
+
+
+def _row_op_case(name: str, fn: Callable[[torch.Tensor], torch.Tensor], width: int,
+                 scale: float = 1.0) -> RowCase:
+    return RowCase(name, f"N={width}", lambda m, g: _randn(g, m, width, scale=scale),
+                   lambda x, lo, hi: (fn(x[lo:hi]),))
+
+
+def _embedding_case(vocab: int, hidden: int) -> RowCase:
+    def setup(m: int, g: torch.Generator):
+        ids = torch.randint(0, vocab, (m,), device="cuda", generator=g)
+        return ids, _randn(g, vocab, hidden)
+
+    return RowCase("embedding", f"V={vocab},H={hidden}", setup,
+                   lambda d, lo, hi: (embedding(d[0][lo:hi], d[1], validate=False),))
+
+
+def invariance_cases() -> list[RowCase]:
+    """Llama-3.2-3B (H 3072, I 8192, 24/8 heads, V 128256) and Qwen3-0.6B (H 1024, I 3072,
+    16/8 heads, V 151936) shapes."""
+    return [
+        *_rms_cases(3072), *_rms_cases(1024),
+        _row_op_case("silu_and_mul", silu_and_mul, 2 * 8192, scale=3),
+        _row_op_case("silu_and_mul", silu_and_mul, 2 * 3072, scale=3),
+        _rotary_case(24, 8, 128), _rotary_case(16, 8, 128),
+        _embedding_case(128256, 3072),
+        _row_op_case("softmax", softmax, 128256, scale=5),
+        _row_op_case("log_softmax", log_softmax, 128256, scale=5),
+        _row_op_case("log_softmax", log_softmax, 151936, scale=5),
+        _row_op_case("mean", mean, 3072),
+        _row_op_case("argmax", argmax, 128256, scale=5),
+        _row_op_case("argmax", argmax, 151936, scale=5),
+    ]
+
+
+def invariance_rows(
+    batch_sizes: Sequence[int] = BATCH_SIZES, rows_checked: int = ROWS_CHECKED,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    results = []
+    m_max = max(batch_sizes)
+    for case in invariance_cases():
+        gen = torch.Generator(device="cuda").manual_seed(len(case.op) * 1000 + m_max)
+        data = case.setup(m_max, gen)
+        check = range(min(rows_checked, m_max))
+        alone = {i: [o.clone() for o in case.call(data, i, i + 1)] for i in check}
+        cases = mismatches = 0
+        for m in batch_sizes:
+            batch = case.call(data, 0, m)
+            for i in check:
+                if i >= m:
+                    continue
+                cases += 1
+                if not all(torch.equal(b[i], a[0]) for b, a in zip(batch, alone[i], strict=True)):
+                    mismatches += 1
+            del batch
+        results.append({"op": case.op, "shape": case.shape, "check": "batch_sizes",
+                        "cases": cases, "mismatches": mismatches})
+        log(f"invariance {case.op:20s} {case.shape:22s} cases {cases:4d} "
+            f"mismatches {mismatches}")
+        del data, alone
+        torch.cuda.empty_cache()
+    return results
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+def _time_sets(make: Callable[[], object], call: Callable[[object], object],
+               bytes_per_call: int) -> float:
+    sets = [make() for _ in range(input_sets_for(bytes_per_call))]
+    return time_graph_us([(lambda s=s: call(s)) for s in sets])
+
+
+def _time_copy(bytes_moved: int) -> float:
+    """A device-to-device copy that reads and writes bytes_moved in total."""
+    n = max(1, bytes_moved // 2)
+
+    def make():
+        return (torch.empty(n, dtype=torch.uint8, device="cuda").random_(),
+                torch.empty(n, dtype=torch.uint8, device="cuda"))
+
+    return _time_sets(make, lambda s: s[1].copy_(s[0]), bytes_moved)
+
+
+def _latency_point(op: str, shape: str, m: int, bytes_moved: int,
+                   impls: dict[str, tuple[Callable[[], object], Callable[[object], object]]],
+                   log: Callable[[str], None]) -> list[dict]:
+    rows = [{"op": op, "shape": shape, "M": m, "impl": "floor",
+             "us": round(bytes_moved / HBM_BYTES_PER_S * 1e6, 3)}]
+    for impl, (make, call) in impls.items():
+        rows.append({"op": op, "shape": shape, "M": m, "impl": impl,
+                     "us": round(_time_sets(make, call, bytes_moved), 3)})
+    rows.append({"op": op, "shape": shape, "M": m, "impl": "copy",
+                 "us": round(_time_copy(bytes_moved), 3)})
+    log(f"latency {op:20s} {shape:8s} M={m:5d} " +
+        " ".join(f"{r['impl']}={r['us']:.2f}" for r in rows))
+    torch.cuda.empty_cache()
+    return rows
+
+
+def rms_norm_latency_rows(hiddens: Sequence[int] = (3072, 1024),
+                          ms: Sequence[int] = LATENCY_MS,
+                          log: Callable[[str], None] = print) -> list[dict]:
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    elt = torch.finfo(DTYPE).bits // 8
+    for h in hiddens:
+        w = _randn(gen, h) + 1
+        for m in ms:
+            def make(m=m, h=h):
+                return (_randn(gen, m, h), _randn(gen, m, h), torch.empty(m, h, dtype=DTYPE,
+                        device="cuda"), torch.empty(m, h, dtype=DTYPE, device="cuda"))
+
+            plain = {
+                "detlora": (make, lambda s, w=w: rms_norm(s[0], w, EPS, out=s[2])),
+                "torch": (make, lambda s, w=w, h=h: torch.nn.functional.rms_norm(
+                    s[0], (h,), w, EPS)),
+            }
+            fused = {
+                "detlora": (make, lambda s, w=w: fused_add_rms_norm(
+                    s[0], s[1], w, EPS, out=s[2], residual_out=s[3])),
+            }
+            rows += _latency_point("rms_norm", f"H={h}", m, (2 * m * h + h) * elt, plain, log)
+            rows += _latency_point("fused_add_rms_norm", f"H={h}", m, (4 * m * h + h) * elt,
+                                   fused, log)
+    return rows
+
+
+def log_softmax_latency_rows(vocab: int = 128256, ms: Sequence[int] = SOFTMAX_MS,
+                             log: Callable[[str], None] = print) -> list[dict]:
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    elt = torch.finfo(DTYPE).bits // 8
+    for m in ms:
+        def make(m=m):
+            return _randn(gen, m, vocab, scale=5), torch.empty(m, vocab, dtype=DTYPE,
+                                                               device="cuda")
+
+        impls = {
+            "detlora": (make, lambda s: log_softmax(s[0], out=s[1])),
+            "torch": (make, lambda s: torch.log_softmax(s[0], dim=-1)),
+        }
+        # Floor: read the logits once and write the result once.
+        rows += _latency_point("log_softmax", f"V={vocab}", m, 2 * m * vocab * elt, impls, log)
+    return rows
+
+
+def targets(latency: list[dict]) -> dict:
+    """Fraction of the bandwidth floor (floor us / measured us) at M >= 256."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in latency:
+        by_key.setdefault((r["op"], r["shape"], r["M"]), {})[r["impl"]] = r["us"]
+    out: dict = {}
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        fracs = {f"{shape},M={m}": round(v["floor"] / v["detlora"], 3)
+                 for (o, shape, m), v in by_key.items() if o == op and m >= 256}
+        if fracs:
+            out[f"{op}_floor_fraction_M_ge_256"] = fracs
+            out[f"{op}_floor_fraction_min"] = min(fracs.values())
+            out[f"{op}_meets_0.8"] = min(fracs.values()) >= 0.8
+    copy_fracs = [v["floor"] / v["copy"] for v in by_key.values() if v.get("copy")]
+    if copy_fracs:
+        out["copy_floor_fraction_median"] = round(statistics.median(copy_fracs), 3)
+    return out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def run(log: Callable[[str], None] = print) -> dict:
+    """Every row-wise measurement: invariance across batch sizes, then latency."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the row-wise kernel benchmark needs a CUDA GPU")
+    result = {"invariance": invariance_rows(log=log)}
+    result["latency"] = rms_norm_latency_rows(log=log) + log_softmax_latency_rows(log=log)
+    result["targets"] = targets(result["latency"])
+    log(f"targets: {result['targets']}")
+    return result
+
+
+__all__ = ["RowCase", "invariance_cases", "invariance_rows", "run", "targets"]
