@@ -4,12 +4,60 @@ Semantics:
     a: [M, K], b: [K, N] (bf16/fp16/fp32, same dtype); bias: [N] or None.
         matmul(a, b)            = (a.float() @ b.float()).to(a.dtype)
         linear(x, weight, bias) = (x.float() @ weight.float().T + bias.float()).to(x.dtype)
-    fp32 accumulation. A row's bits depend on (N, K) and the row's values alone, never on M.
+        bmm(a, b)               = (a.float() @ b.float()).to(a.dtype)   # [B, M, K] @ [B, K, N]
+    fp32 accumulation. A row's bits depend on (N, K) and the row's values alone, never on M
+    (nor, for bmm, on B). ``out`` may also be fp32 for bf16/fp16 inputs: it then receives the
+    fp32 sum (plus bias) unrounded. fp32 inputs are multiplied in full fp32
+    (``input_precision="ieee"``, no TF32), like ``torch.mm`` with its default
+    ``allow_tf32=False``.
+
+Reduction order (DESIGN.md, "Split-invariant reductions"): ``k_split(N, K, dtype)`` fixes
+BLOCK_K and cuts the K axis into S chunks of ``chunk_blocks`` BLOCK_K blocks. Each chunk is
+summed block by block from zero (one MMA chain), and the chunk sums are added to a total that
+starts at zero, in chunk order: ``y = ((0 + p0) + p1) + ... + p(S-1)``, then ``+ bias``, then
+one rounding to the output dtype. Two kernels build exactly that sum:
+    split        (few rows) S CTAs per output tile, one chunk each; every CTA stores its fp32
+                 partial to scratch and bumps the tile's counter (acq_rel, GPU scope); the CTA
+                 that arrives last adds the S partials in chunk order, writes the tile with a
+                 plain store and resets the counter to zero (no init launch, no zeroing).
+    persistent   (many rows) one CTA per SM walks output tiles in grouped (L2-friendly) order
+                 and sums every chunk of a tile itself, in one pipelined loop, with no scratch.
+BLOCK_M, BLOCK_N, warps, stages, TMA or pointer loads and the path only move work around: each
+output element is the same sequence of fp32 MMA accumulations, so the GPU tests prove rows
+equal with ``torch.equal`` across all of them. S = 1 keeps one accumulator, which lets the
+persistent kernel use 128x256 tiles; S > 1 needs a second (the running total) and so at most
+128x128 tiles, which is why S > 1 is kept to narrow outputs where decode needs the parallelism.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from detlora.ops._runtime import cdiv
+from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.matmul_workspace import MatmulWorkspace, default_workspace
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The split count decides bits, so it is sized for a fixed reference GPU (H100/H200: 132 SMs),
+# never for the device at hand: a row then has the same bits on every GPU that runs the kernel
+# the same way. The real SM count only sizes grids.
+_REF_SMS = 132
+_DECODE_BLOCK_N = 64  # output columns per decode CTA that the split count is sized for
+_SPLIT_BELOW_N = 4096  # outputs at least this wide fill the GPU at decode without a split
+_MIN_CHUNK_BLOCKS = 4  # a chunk is at least this many BLOCK_K blocks (amortises the merge)
+_MAX_CHUNKS = 16
+
+_BIAS_NONE, _BIAS_ROW, _BIAS_FULL = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------- reference
 
 
 def matmul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -23,3 +71,554 @@ def linear_ref(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a.float(), b.float()).to(a.dtype)
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class KSplit:
+    """How the K axis of every output element is summed: the part of a config that sets bits.
+
+    ``num_chunks`` (S) counts the chunks that hold work; the last may be shorter.
+    """
+
+    block_k: int
+    chunk_blocks: int
+    num_chunks: int
+
+    @classmethod
+    def for_chunks(cls, k: int, block_k: int, chunks: int) -> KSplit:
+        """Cut ``k`` into at most ``chunks`` chunks of whole BLOCK_K blocks."""
+        k_blocks = cdiv(k, block_k)
+        chunk_blocks = cdiv(k_blocks, max(1, min(chunks, k_blocks)))
+        return cls(block_k, chunk_blocks, cdiv(k_blocks, chunk_blocks))
+
+    def fits(self, k: int) -> bool:
+        """True when this split was made for a K of ``k`` (same chunk count)."""
+        return self.num_chunks == cdiv(cdiv(k, self.block_k), self.chunk_blocks)
+
+
+def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
+    """The reduction order for an [N, K] weight: a function of (N, K, dtype) alone."""
+    block_k = 32 if dtype == torch.float32 else 64
+    chunks = 1
+    if n < _SPLIT_BELOW_N:
+        # Decode (M = 1) has only cdiv(N, 64) tiles: split K until about two CTAs per SM.
+        want = cdiv(2 * _REF_SMS, cdiv(n, _DECODE_BLOCK_N))
+        chunks = max(1, min(want, cdiv(k, block_k) // _MIN_CHUNK_BLOCKS, _MAX_CHUNKS))
+    return KSplit.for_chunks(k, block_k, chunks)
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """How one call is tiled. Only ``k_split`` decides bits; the rest is speed.
+
+    ``split_ctas``: the S chunks of a tile run in S CTAs reduced in order through scratch
+    (few rows); otherwise one persistent CTA walks all chunks of its tiles (many rows).
+    ``tma``: load through TMA descriptors when the operands allow it (pointer loads otherwise).
+    ``flatten``: persistent path only, one pipelined loop over tiles and K blocks.
+    """
+
+    k_split: KSplit
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_ctas: bool = True
+    group_m: int = 8
+    tma: bool = True
+    flatten: bool = True
+    programs_per_sm: int = 1
+
+
+# Persistent tile shapes: (BLOCK_M, BLOCK_N, warps, stages, CTAs per SM, relative speed of one
+# SM on that tile). The speeds are estimates for the H200; bench_matmul.sweep() measures them.
+_PERSISTENT_TILES = (
+    (128, 256, 8, 3, 1, 1.0),
+    (128, 128, 8, 4, 1, 0.85),
+    (64, 128, 4, 4, 2, 0.7),
+)
+
+
+def matmul_config(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+    num_sms: int = _REF_SMS,
+) -> MatmulConfig:
+    """The tiling for an [M, K] @ [K, N] call (``batch`` of them for bmm).
+
+    ``k_split`` comes from (N, K, dtype) only; M, batch and ``num_sms`` pick tiles and path:
+
+        bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32 when that gives
+                               too few CTAs), 4 warps, 5 stages
+        bf16/fp16, M > 64      persistent path, the tile of ``_PERSISTENT_TILES`` with the
+                               least estimated time (128x256 only when S = 1); the split path
+                               (64x128) when S > 1, M <= 512 and 128x128 tiles fill less than
+                               half the GPU
+        fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
+                               up to M = 64, persistent above
+    """
+    ks = k_split(n, k, dtype)
+    multi = ks.num_chunks > 1
+    if dtype == torch.float32:
+        # Full-fp32 dots run on FMA units: small tiles, and the same for every M.
+        # (8 warps at 64x64: with 4, the FMA operands of TMA-loaded tiles spill on sm_90.)
+        small = m <= 32
+        return MatmulConfig(ks, 32 if small else 64, 64, num_warps=4 if small else 8,
+                            num_stages=3, split_ctas=m <= 64)
+    if m <= 64:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = 64
+        while bn > 32 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms:
+            bn //= 2
+        return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=5, split_ctas=True)
+    # Many rows: persistent CTAs over the tile shape with the least estimated time (waves of
+    # tiles times the tile's cost). S > 1 keeps a running total beside the accumulator, which
+    # leaves registers for 128x128 at most.
+    best, best_cost = None, 0.0
+    for bm, bn, warps, stages, per_sm, speed in _PERSISTENT_TILES:
+        if multi and bm * bn > 128 * 128:
+            continue
+        tiles = batch * cdiv(m, bm) * cdiv(n, bn)
+        slots = num_sms * per_sm
+        sharing = min(per_sm, cdiv(min(tiles, slots), num_sms))  # CTAs on one SM at a time
+        cost = cdiv(tiles, slots) * sharing * bm * bn / speed
+        if best is None or cost < best_cost:
+            best, best_cost = (bm, bn, warps, stages, per_sm), cost
+    bm, bn, warps, stages, per_sm = best
+    if multi and m <= 512 and batch * cdiv(m, 128) * cdiv(n, 128) < num_sms // 2:
+        # Too few tiles to fill half the GPU: spread each tile's chunks over CTAs instead
+        # (their partials cost M x N x S x 8 bytes of scratch traffic, so only for few rows).
+        return MatmulConfig(ks, 64, 128, num_warps=4, num_stages=4, split_ctas=True)
+    return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=False,
+                        programs_per_sm=per_sm)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _grouped_tile(t, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """Tile t -> (pid_m, pid_n), GROUP_M row tiles at a time so B tiles are reused from L2."""
+    width = GROUP_M * n_tiles
+    first_m = (t // width) * GROUP_M
+    rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (t % width) % rows
+    pid_n = (t % width) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am, stride_bb,
+                      stride_bn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      TMA: tl.constexpr):
+    """Row pointers of A and column pointers of B for the pointer path (unused with TMA).
+
+    Rows and columns past the edge wrap onto real ones, so loads need no M/N mask; their
+    results are never stored.
+    """
+    if TMA:
+        a_rows = 0
+        b_cols = 0
+    else:
+        rows = ((off_m + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
+        cols = ((off_n + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+        a_rows = a + batch.to(tl.int64) * stride_ab + rows * stride_am
+        b_cols = b + batch.to(tl.int64) * stride_bb + cols * stride_bn
+    return a_rows, b_cols
+
+
+@triton.jit
+def _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
+             BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] for K block ``kb`` (zeros past K)."""
+    k0 = kb * BLOCK_K
+    if TMA:
+        a_blk = a.load([off_m, k0])
+        if B_KMAJOR:  # noqa: SIM108 (constexpr branches, kept as statements for Triton)
+            b_blk = b.load([off_n, k0]).T
+        else:
+            b_blk = b.load([k0, off_n])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak)
+            b_blk = tl.load(b_cols[None, :] + offs_k[:, None] * stride_bk)
+        else:
+            k_ok = offs_k < K
+            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=k_ok[None, :],
+                            other=0.0)
+            b_blk = tl.load(b_cols[None, :] + offs_k[:, None] * stride_bk, mask=k_ok[:, None],
+                            other=0.0)
+    return a_blk, b_blk
+
+
+@triton.jit
+def _store_tile(c_ptr, bias_ptr, y, batch, off_m, off_n, M, N, stride_cb, stride_cm, stride_cn,
+                stride_biasm, stride_biasn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BIAS: tl.constexpr):
+    """Add the bias to the fp32 tile, round once to the output dtype, store the valid part."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    if BIAS == 1:  # one row [N], broadcast over M
+        y = y + tl.load(bias_ptr + offs_n * stride_biasn, mask=n_ok, other=0.0).to(
+            tl.float32)[None, :]
+    elif BIAS == 2:  # a full [M, N] operand
+        y = y + tl.load(bias_ptr + offs_m[:, None].to(tl.int64) * stride_biasm
+                        + offs_n[None, :] * stride_biasn, mask=ok, other=0.0).to(tl.float32)
+    c = (c_ptr + batch.to(tl.int64) * stride_cb + offs_m[:, None].to(tl.int64) * stride_cm
+         + offs_n[None, :] * stride_cn)
+    tl.store(c, y.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+# Row, chunk and program counts change from call to call: not specializing on them (== 1,
+# divisible by 16) keeps one compiled kernel per tiling instead of several.
+@triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks"])
+def _mm_split_kernel(
+    a, b, c_ptr, bias_ptr, scratch_ptr, counter_ptr,
+    M, N, K, num_chunks, chunk_blocks,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+    EVEN_K: tl.constexpr, BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
+    # scheduled together and the last one finds its partners' partials in L2.
+    pid = tl.program_id(0)
+    if MULTI_CHUNK:
+        chunk = pid % num_chunks
+        tile = pid // num_chunks
+    else:
+        chunk = 0
+        tile = pid
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    batch = tile // (m_tiles * n_tiles)
+    t = tile % (m_tiles * n_tiles)
+    off_m = (t // n_tiles) * BLOCK_M
+    off_n = (t % n_tiles) * BLOCK_N
+    a_rows, b_cols = _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am,
+                                       stride_bb, stride_bn, BLOCK_M, BLOCK_N, TMA)
+
+    lo = chunk * chunk_blocks
+    hi = tl.minimum(lo + chunk_blocks, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(lo, hi):
+        a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
+                                BLOCK_K, TMA, B_KMAJOR, EVEN_K)
+        acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+
+    if MULTI_CHUNK:
+        # Scratch holds [tile, chunk, BLOCK_M, BLOCK_N] partials, tile-local and contiguous.
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        parts = scratch_ptr + tile.to(tl.int64) * (num_chunks * BLOCK_M * BLOCK_N) + local
+        tl.store(parts + chunk * (BLOCK_M * BLOCK_N), acc)
+        # Every thread's partial is written before the counter moves (CTA barrier, then a
+        # release at GPU scope); the last CTA acquires and reads them from L2.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_chunks - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, num_chunks):
+                total += tl.load(parts + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            _store_tile(c_ptr, bias_ptr, total, batch, off_m, off_n, M, N, stride_cb, stride_cm,
+                        stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+            tl.store(counter_ptr + tile, 0)  # self-reset: no init launch next call
+    else:
+        _store_tile(c_ptr, bias_ptr, acc, batch, off_m, off_n, M, N, stride_cb, stride_cm,
+                    stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "chunk_blocks", "num_programs"])
+def _mm_persistent_kernel(
+    a, b, c_ptr, bias_ptr,
+    M, N, K, batch_count, chunk_blocks, num_programs,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    tiles_per_batch = m_tiles * n_tiles
+    for tile in tl.range(pid, batch_count * tiles_per_batch, num_programs, flatten=FLATTEN):
+        batch = tile // tiles_per_batch
+        pid_m, pid_n = _grouped_tile(tile % tiles_per_batch, m_tiles, n_tiles, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        a_rows, b_cols = _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab,
+                                           stride_am, stride_bb, stride_bn, BLOCK_M, BLOCK_N,
+                                           TMA)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if MULTI_CHUNK:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # One loop over all K blocks (so the pipeline never drains between chunks); at each
+        # chunk's end its sum joins the running total and the accumulator restarts at zero.
+        for kb in range(0, k_blocks):
+            a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak,
+                                    stride_bk, BLOCK_K, TMA, B_KMAJOR, EVEN_K)
+            acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+            if MULTI_CHUNK:  # noqa: SIM102 (a constexpr test apart from the runtime one)
+                if ((kb + 1) % chunk_blocks == 0) | (kb == k_blocks - 1):
+                    total += acc
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if MULTI_CHUNK:
+            _store_tile(c_ptr, bias_ptr, total, batch, off_m, off_n, M, N, stride_cb, stride_cm,
+                        stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+        else:
+            _store_tile(c_ptr, bias_ptr, acc, batch, off_m, off_n, M, N, stride_cb, stride_cm,
+                        stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+    config: MatmulConfig | None = None, workspace: MatmulWorkspace | None = None,
+) -> torch.Tensor:
+    """``a @ b`` for a [M, K] and b [K, N]; see the module docstring.
+
+    ``out`` ([M, N], a's dtype or fp32, any strides) is written in full. ``config`` overrides the
+    tiling; its ``k_split`` then decides the bits, so pass one only to compare tilings.
+    """
+    a = check_tensor("a", a, ndim=2, dtypes=_DTYPES)
+    b = check_tensor("b", b, ndim=2, dtypes=_DTYPES)
+    _check_pair("a", a, "b", b, b.shape[0])
+    out = _out_or_new(out, (a.shape[0], b.shape[1]), a)
+    check_same_device(a=a, b=b, out=out)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), None, config, workspace)
+    return out
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, config: MatmulConfig | None = None,
+    workspace: MatmulWorkspace | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x [M, K], weight [N, K] (as nn.Linear stores it), bias [N].
+
+    Bit-identical to ``matmul(x, weight.T)`` plus the bias in fp32 before the one rounding.
+    """
+    x = check_tensor("x", x, ndim=2, dtypes=_DTYPES)
+    weight = check_tensor("weight", weight, ndim=2, dtypes=_DTYPES)
+    _check_pair("x", x, "weight", weight, weight.shape[1])
+    n = weight.shape[0]
+    if bias is not None:
+        bias = check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,))
+        check_shape("bias", bias, (n,))
+    out = _out_or_new(out, (x.shape[0], n), x)
+    tensors = {"x": x, "weight": weight, "out": out} | ({"bias": bias} if bias is not None
+                                                        else {})
+    check_same_device(**tensors)
+    _launch(x.unsqueeze(0), weight.t().unsqueeze(0), out.unsqueeze(0), bias, config, workspace)
+    return out
+
+
+def bmm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+    config: MatmulConfig | None = None, workspace: MatmulWorkspace | None = None,
+) -> torch.Tensor:
+    """``a @ b`` for a [B, M, K] and b [B, K, N]; every (batch, row) is batch-invariant."""
+    a = check_tensor("a", a, ndim=3, dtypes=_DTYPES)
+    b = check_tensor("b", b, ndim=3, dtypes=_DTYPES)
+    if b.shape[0] != a.shape[0]:
+        raise ValueError(f"b has batch {b.shape[0]} but a has batch {a.shape[0]}")
+    _check_pair("a", a, "b", b, b.shape[1])
+    out = _out_or_new(out, (a.shape[0], a.shape[1], b.shape[2]), a)
+    check_same_device(a=a, b=b, out=out)
+    _launch(a, b, out, None, config, workspace)
+    return out
+
+
+def add_bias_mm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
+    config: MatmulConfig | None = None, workspace: MatmulWorkspace | None = None,
+) -> torch.Tensor:
+    """``bias + a @ b`` (torch.addmm with beta = alpha = 1) for a bias of shape [N], [1, N],
+    [M, 1] or [M, N]; the bias is added in fp32 before the one rounding."""
+    a = check_tensor("a", a, ndim=2, dtypes=_DTYPES)
+    b = check_tensor("b", b, ndim=2, dtypes=_DTYPES)
+    _check_pair("a", a, "b", b, b.shape[0])
+    m, n = a.shape[0], b.shape[1]
+    bias = check_tensor("bias", bias, dtypes=(a.dtype,))
+    if bias.dim() > 2:
+        raise ValueError(f"bias must have at most 2 dimensions, got shape {tuple(bias.shape)}")
+    try:
+        full = bias.expand(m, n)
+    except RuntimeError:
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} does not broadcast to ({m}, {n})") from None
+    # A bias that is one row (the usual nn.Linear case) is read as a vector.
+    row = bias.reshape(n) if bias.numel() == n and (bias.dim() < 2 or bias.shape[0] == 1) else None
+    out = _out_or_new(out, (m, n), a)
+    check_same_device(a=a, b=b, bias=bias, out=out)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), row if row is not None else full,
+            config, workspace)
+    return out
+
+
+def reserve_workspace(
+    m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
+    workspace: MatmulWorkspace | None = None, device: torch.device | str = "cuda",
+    config: MatmulConfig | None = None,
+) -> None:
+    """Grow the workspace for a call of this shape, ahead of a CUDA-graph capture."""
+    workspace = workspace or default_workspace(device)
+    cfg = config or matmul_config(m, n, k, dtype, batch, _num_sms(workspace.device))
+    scratch, counters = _workspace_need(cfg, batch, m, n)
+    workspace.reserve(scratch, counters)
+
+
+def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, b_k: int) -> None:
+    if b.dtype != a.dtype:
+        raise ValueError(f"{b_name} dtype {b.dtype} must match {a_name} dtype {a.dtype}")
+    if a.shape[-1] != b_k:
+        raise ValueError(
+            f"{b_name} shape {tuple(b.shape)} does not match {a_name} shape {tuple(a.shape)}: "
+            f"K must agree ({a.shape[-1]} vs {b_k})")
+    if min(a.shape) == 0 or min(b.shape) == 0:
+        raise ValueError(
+            f"{a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)} must have no empty "
+            "dimension")
+
+
+def _out_or_new(
+    out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    check_tensor("out", out, ndim=len(shape), dtypes=(like.dtype, torch.float32))
+    check_shape("out", out, shape)
+    return out
+
+
+def _check_config(cfg: object, k: int, dtype: torch.dtype) -> MatmulConfig:
+    if not isinstance(cfg, MatmulConfig):
+        raise ValueError(f"config must be a MatmulConfig, got {type(cfg).__name__}")
+    for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n),
+                    ("k_split.block_k", cfg.k_split.block_k)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {v}")
+    if not cfg.k_split.fits(k):
+        raise ValueError(f"config.k_split {cfg.k_split} was not made for K = {k}; "
+                         "build it with KSplit.for_chunks(K, ...)")
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.group_m < 1:
+        raise ValueError(f"config has invalid warps/stages/group_m: {cfg}")
+    if dtype == torch.float32 and cfg.k_split.block_k > 64:
+        raise ValueError("config.k_split.block_k must be <= 64 for fp32 inputs")
+    return cfg
+
+
+def _workspace_need(cfg: MatmulConfig, batch: int, m: int, n: int) -> tuple[int, int]:
+    if not cfg.split_ctas or cfg.k_split.num_chunks == 1:
+        return 0, 0
+    tiles = batch * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    return tiles * cfg.k_split.num_chunks * cfg.block_m * cfg.block_n, tiles
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so each walks several tiles
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tma_desc(t: torch.Tensor, block: list[int], transpose: bool) -> TensorDescriptor | None:
+    """A TMA descriptor over ``t`` (or ``t.T``) when TMA can address it, else None."""
+    if transpose:
+        t = t.t()
+    size = t.element_size()
+    if (t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16
+            or t.shape[1] * size < 16):
+        return None
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
+
+
+def _launch(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+    config: MatmulConfig | None, workspace: MatmulWorkspace | None,
+) -> None:
+    """a [B, M, K] @ b [B, K, N] (+ bias [N] or a bias expanded to [M, N]) into out."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    cfg = _check_config(
+        config or matmul_config(m, n, k, a.dtype, batch, _num_sms(a.device)), k, a.dtype)
+    ks = cfg.k_split
+    bm, bn, bk = cfg.block_m, cfg.block_n, ks.block_k
+
+    if bias is None:
+        bias_mode, bias_arg, sbm, sbn = _BIAS_NONE, out, 0, 0
+    elif bias.dim() == 1:
+        bias_mode, bias_arg, sbm, sbn = _BIAS_ROW, bias, 0, bias.stride(0)
+    else:
+        bias_mode, bias_arg, sbm, sbn = _BIAS_FULL, bias, bias.stride(0), bias.stride(1)
+
+    # TMA descriptors for single matrices; batches (bmm) and odd strides use pointer loads.
+    # B_KMAJOR: b is a weight [N, K] seen through .T (K contiguous), read as [BN, BK] boxes.
+    a_arg, b_arg, use_tma, b_kmajor = a, b, False, False
+    if cfg.tma and batch == 1:
+        kmajor = b.stride(1) == 1 and b.stride(2) != 1
+        a_desc = _tma_desc(a[0], [bm, bk], transpose=False)
+        b_desc = (_tma_desc(b[0], [bn, bk], transpose=True) if kmajor
+                  else _tma_desc(b[0], [bk, bn], transpose=False))
+        if a_desc is not None and b_desc is not None:
+            a_arg, b_arg, use_tma, b_kmajor = a_desc, b_desc, True, kmajor
+
+    # One matrix: batch strides 0, so every call compiles the same (divisible-by-16) variant;
+    # without that hint the 128x256 epilogue spills on sm_90.
+    sab, sbb, scb = (a.stride(0), b.stride(0), out.stride(0)) if batch > 1 else (0, 0, 0)
+    common = dict(
+        stride_ab=sab, stride_am=a.stride(1), stride_ak=a.stride(2),
+        stride_bb=sbb, stride_bk=b.stride(1), stride_bn=b.stride(2),
+        stride_cb=scb, stride_cm=out.stride(1), stride_cn=out.stride(2),
+        stride_biasm=sbm, stride_biasn=sbn,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=ks.num_chunks > 1, TMA=use_tma,
+        B_KMAJOR=b_kmajor, EVEN_K=k % bk == 0, BIAS=bias_mode,
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    tiles = batch * cdiv(m, bm) * cdiv(n, bn)
+    if cfg.split_ctas:
+        scratch_numel, counter_numel = _workspace_need(cfg, batch, m, n)
+        if scratch_numel:
+            workspace = workspace or default_workspace(a.device)
+            scratch = workspace.scratch(scratch_numel)
+            counters = workspace.counters(counter_numel)
+        else:
+            scratch = counters = out  # never touched: one chunk stores directly
+        _mm_split_kernel[(tiles * ks.num_chunks,)](
+            a_arg, b_arg, out, bias_arg, scratch, counters,
+            m, n, k, ks.num_chunks, ks.chunk_blocks, **common,
+        )
+    else:
+        programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)
+        _mm_persistent_kernel[(programs,)](
+            a_arg, b_arg, out, bias_arg,
+            m, n, k, batch, ks.chunk_blocks, programs, **common,
+            # Triton pipelines a flattened tile loop only with TMA loads.
+            GROUP_M=cfg.group_m, FLATTEN=cfg.flatten and use_tma,
+        )
+
+
+__all__ = [
+    "KSplit", "MatmulConfig", "add_bias_mm", "bmm", "bmm_ref", "k_split", "linear", "linear_ref",
+    "matmul", "matmul_config", "matmul_ref", "reserve_workspace",
+]
