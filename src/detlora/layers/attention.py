@@ -1,0 +1,109 @@
+"""Self-attention over a paged KV cache: fused q/k/v projection, optional per-head q/k
+RMSNorm (Qwen3), rotary, KV write into the pages, paged attention, output projection."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from detlora.layers.backend import OpBackend
+from detlora.layers.linear import Linear, MergedLinear
+from detlora.layers.lora_slots import LoRAConfig
+from detlora.layers.norm import RMSNorm
+from detlora.layers.rotary import RotaryEmbedding
+from detlora.ops.adapter_groups import AdapterGroups
+
+if TYPE_CHECKING:  # the contract lives in models/; layers only read it
+    from detlora.models.forward_batch import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        *,
+        backend: OpBackend,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        lora: LoRAConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+            )
+        self.backend = backend
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora)
+        self.qkv_proj = MergedLinear(
+            hidden_size, (self.q_size, self.kv_size, self.kv_size), **common
+        )
+        self.o_proj = Linear(self.q_size, hidden_size, **common)
+        self.rotary = rotary
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            norm = dict(backend=backend, dtype=dtype, device=device)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, **norm)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, **norm)
+        # Pages [num_blocks, block_size, Hk, D], owned by the engine and bound before use;
+        # plain attributes, not buffers: the cache is neither a weight nor moved with .to().
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.head_dim)
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dim() != 4 or tuple(c.shape[2:]) != expected:
+                raise ValueError(
+                    f"{name} must have shape [num_blocks, block_size, {expected[0]}, "
+                    f"{expected[1]}], got {tuple(c.shape)}"
+                )
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache "
+                             f"{tuple(v_cache.shape)} must have the same shape")
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        lora: AdapterGroups | None = None,
+    ) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise ValueError("no KV cache bound: call bind_kv_cache (or the model's) first")
+        t = x.shape[0]
+        qkv = self.qkv_proj(x, lora)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
+                                                               self.head_dim)
+        q, k = self.rotary(q.contiguous(), k.contiguous(), positions)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        o = self.backend.paged_attention(
+            q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
+            attn.query_start_loc, self.scale,
+        )
+        return self.o_proj(o.reshape(t, self.q_size), lora)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, qk_norm={self.q_norm is not None}")

@@ -1,0 +1,254 @@
+"""Which implementation of every op a model runs, chosen once per engine.
+
+Layers never pick kernels themselves: they call ``backend.<op>(...)`` with the arguments of
+the op's torch reference (``detlora.ops.<op>.<op>_ref``). ``make_backend`` binds each op for a
+device and determinism level:
+
+* CPU: every op is its torch reference, so the engine runs anywhere (fp32 or bf16). The
+  references add no nondeterminism of their own; the CPU BLAS makes no batch-invariance
+  promise, so on the CPU the levels differ only in the LoRA reduction they record.
+* CUDA: ``fast`` = cuBLAS linear + atomic LoRA shrink + split-KV attention + the detlora
+  row-wise kernels; ``run_to_run`` = the same with the ordered shrink; ``batch_invariant`` =
+  the split-invariant detlora linear + ordered_bi shrink + detlora paged attention, RMSNorm,
+  log-softmax and argmax. Gathers and elementwise ops (embedding, rotary, silu_and_mul,
+  write_kv) are batch-invariant by construction, so their torch references serve when no
+  kernel exists. If a kernel a level needs is missing, ``make_backend`` refuses rather than
+  break the promise silently (``allow_reference_fallback=True`` takes the reference anyway
+  and records it in ``impls``, for debugging numerics).
+
+Kernels are imported here, lazily, only for CUDA: importing this module loads no Triton code.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from detlora.config import DEFAULT_LORA_REDUCTION, Determinism, LoRAReduction
+from detlora.ops._runtime import interpreting
+from detlora.ops.adapter_groups import AdapterGroups
+
+
+@dataclass(frozen=True)
+class OpBackend:
+    """The ops of one engine, bound to implementations. Every field but the last four is a
+    callable with the signature of the op's torch reference (see ``detlora.ops``)."""
+
+    embedding: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    log_softmax: Callable[[torch.Tensor], torch.Tensor]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
+    # (x, lora_a, groups, scale) -> fp32 [S, M, R]; the reduction and workspace are bound.
+    lora_shrink: Callable[[torch.Tensor, torch.Tensor, AdapterGroups, torch.Tensor], torch.Tensor]
+    # (y, shrink_out, lora_b, groups, slice_offsets) -> y, updated in place.
+    lora_expand: Callable[..., torch.Tensor]
+    device: torch.device
+    determinism: Determinism
+    lora_reduction: LoRAReduction
+    impls: Mapping[str, str] = field(default_factory=dict)  # op -> implementation, for fingerprints
+
+    @property
+    def name(self) -> str:
+        return f"{self.device.type}-{self.determinism.value}-{self.lora_reduction.value}"
+
+    def describe(self) -> dict[str, str]:
+        """What decides the bits of this backend: level, LoRA reduction, one entry per op."""
+        return {
+            "device": self.device.type,
+            "determinism": self.determinism.value,
+            "lora_reduction": self.lora_reduction.value,
+            **{f"op.{k}": v for k, v in sorted(self.impls.items())},
+        }
+
+
+# op -> (module under detlora.ops, reference function, kernel function).
+_OPS: dict[str, tuple[str, str, str]] = {
+    "embedding": ("embedding", "embedding_ref", "embedding"),
+    "linear": ("matmul", "linear_ref", "linear"),
+    "rms_norm": ("rms_norm", "rms_norm_ref", "rms_norm"),
+    "fused_add_rms_norm": ("rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm"),
+    "rotary": ("rotary", "rotary_ref", "rotary"),
+    "silu_and_mul": ("silu_and_mul", "silu_and_mul_ref", "silu_and_mul"),
+    "write_kv": ("paged_attention", "write_kv_ref", "write_kv"),
+    "paged_attention": ("paged_attention", "paged_attention_ref", "paged_attention"),
+    "log_softmax": ("softmax", "log_softmax_ref", "log_softmax"),
+    "argmax": ("reductions", "argmax_ref", "argmax"),
+}
+
+# How each CUDA level implements each op:
+#   "kernel":   the detlora Triton kernel, required (missing = refused unless fallback allowed);
+#   "any":      the kernel when it exists, else the torch reference;
+#   "vendor":   cuBLAS through torch (linear);
+#   "split_kv": FlashDecoding-style split-KV attention (ops/paged_attention_split_kv.py),
+#               whose split points move with the batch: fast, repeatable for a fixed batch.
+_POLICY: dict[Determinism, dict[str, str]] = {
+    Determinism.FAST: {**dict.fromkeys(_OPS, "any"), "linear": "vendor",
+                       "paged_attention": "split_kv"},
+    # cuBLAS and split-KV are repeatable for a fixed batch; the LoRA shrink is ordered.
+    Determinism.RUN_TO_RUN: {**dict.fromkeys(_OPS, "any"), "linear": "vendor",
+                             "paged_attention": "split_kv"},
+    # Gathers and elementwise ops are batch-invariant even as torch references; every op
+    # with a reduction must be a detlora kernel.
+    Determinism.BATCH_INVARIANT: {
+        **dict.fromkeys(_OPS, "kernel"),
+        **dict.fromkeys(("embedding", "rotary", "silu_and_mul", "write_kv"), "any"),
+    },
+}
+# Kernels whose range checks sync the host: the engine guarantees ids < vocab and positions
+# < the rotary table, and a sync would break CUDA-graph capture.
+_NO_HOST_CHECKS = {"embedding": {"validate": False}, "rotary": {"validate": False}}
+
+
+def make_backend(
+    device: torch.device | str = "cpu",
+    determinism: Determinism | str | None = None,
+    lora_reduction: LoRAReduction | str | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_lora_rank: int | None = None,
+    kernels: bool | None = None,
+    allow_reference_fallback: bool = False,
+) -> OpBackend:
+    """Bind every op for ``device`` and ``determinism`` (default: batch_invariant on CUDA,
+    run_to_run on CPU). ``lora_reduction`` overrides the level's LoRA shrink reduction.
+    ``dtype`` is the model dtype; the kernels take bf16/fp16 only. ``kernels`` (default: on
+    CUDA only) binds the Triton kernels; on the CPU that needs ``TRITON_INTERPRET=1``, which
+    runs the CUDA path in Triton's interpreter (tests), and False on CUDA runs the torch
+    references there (debugging)."""
+    device = torch.device(device)
+    if determinism is None:
+        determinism = Determinism.BATCH_INVARIANT if device.type == "cuda" else "run_to_run"
+    level = Determinism.parse(determinism)
+    reduction = (
+        DEFAULT_LORA_REDUCTION[level]
+        if lora_reduction is None
+        else LoRAReduction.parse(lora_reduction)
+    )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    use_kernels = device.type == "cuda" if kernels is None else kernels
+    if not use_kernels:
+        return _reference_backend(device, level, reduction)
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("kernels=True on the CPU needs TRITON_INTERPRET=1, set before any "
+                         "detlora.ops kernel module is imported")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} is not supported by the kernels: they take bfloat16 "
+                         "or float16 (run float32 with kernels=False)")
+    return _kernel_backend(device, level, reduction, max_lora_rank, allow_reference_fallback)
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"detlora.ops.{name}")
+
+
+def _reference_backend(
+    device: torch.device, level: Determinism, reduction: LoRAReduction
+) -> OpBackend:
+    from detlora.ops.lora_expand import lora_expand_ref
+    from detlora.ops.lora_shrink import lora_shrink_ref
+
+    ops = {op: getattr(_module(mod), ref) for op, (mod, ref, _) in _OPS.items()}
+
+    def shrink(x, lora_a, groups, scale):
+        return lora_shrink_ref(x, lora_a, groups.token_adapter, scale)
+
+    def expand(y, shrink_out, lora_b, groups, slice_offsets=None):
+        return lora_expand_ref(y, shrink_out, lora_b, groups.token_adapter, slice_offsets)
+
+    impls = {op: f"{mod}.{ref}" for op, (mod, ref, _) in _OPS.items()}
+    impls |= {"lora_shrink": "lora_shrink.lora_shrink_ref",
+              "lora_expand": "lora_expand.lora_expand_ref"}
+    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
+                     determinism=level, lora_reduction=reduction,
+                     impls=MappingProxyType(impls))
+
+
+def _vendor_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _kernel(module: str, name: str) -> Callable[..., Any] | None:
+    try:
+        return getattr(_module(module), name, None)
+    except ModuleNotFoundError:
+        return None
+
+
+def _bind_cuda(
+    op: str, policy: str, allow_reference_fallback: bool
+) -> tuple[Callable[..., Any], str] | None:
+    """(implementation, its name) of ``op`` under ``policy``; None if a required kernel is
+    missing."""
+    mod_name, ref, kernel = _OPS[op]
+    if policy == "vendor":
+        return _vendor_linear, "torch.nn.functional.linear"
+    candidates = [(mod_name, kernel)]
+    if policy == "split_kv":  # else the detlora kernel: slower, but repeatable too
+        candidates.insert(0, ("paged_attention_split_kv", "paged_attention_split_kv"))
+    for module, name in candidates:
+        fn = _kernel(module, name)
+        if fn is not None:
+            if op in _NO_HOST_CHECKS:
+                fn = functools.partial(fn, **_NO_HOST_CHECKS[op])
+            return fn, f"{module}.{name}"
+    if policy != "kernel" or allow_reference_fallback:
+        return getattr(_module(mod_name), ref), f"{mod_name}.{ref}"
+    return None
+
+
+def _kernel_backend(
+    device: torch.device,
+    level: Determinism,
+    reduction: LoRAReduction,
+    max_lora_rank: int | None,
+    allow_reference_fallback: bool,
+) -> OpBackend:
+    from detlora.ops.lora_expand import lora_expand
+    from detlora.ops.lora_shrink import lora_shrink
+    from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace
+
+    ops: dict[str, Callable[..., Any]] = {}
+    impls: dict[str, str] = {}
+    missing: list[str] = []
+    for op in _OPS:
+        bound = _bind_cuda(op, _POLICY[level][op], allow_reference_fallback)
+        if bound is None:
+            missing.append(f"detlora.ops.{_OPS[op][0]}.{_OPS[op][2]}")
+        else:
+            ops[op], impls[op] = bound
+    if missing:
+        raise ValueError(
+            f"determinism={level.value!r} needs Triton kernels that are not available: "
+            f"{', '.join(missing)} (allow_reference_fallback=True runs the torch references, "
+            "without the batch-invariance promise)"
+        )
+
+    # One workspace per engine: scratch and counters allocated once, CUDA-graph safe.
+    workspace = LoRAWorkspace(device, max_lora_rank or MAX_LORA_RANK)
+
+    def shrink(x, lora_a, groups, scale):
+        return lora_shrink(x, lora_a, groups, scale, reduction=reduction, workspace=workspace)
+
+    def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
+        return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
+
+    impls |= {"lora_shrink": f"lora_shrink.lora_shrink[{reduction.value}]",
+              "lora_expand": "lora_expand.lora_expand"}
+    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
+                     determinism=level, lora_reduction=reduction,
+                     impls=MappingProxyType(impls))

@@ -1,0 +1,152 @@
+"""Linear layers with an optional LoRA part: a plain one and a fused (merged) one.
+
+``MergedLinear`` stacks several projections that read the same input into one weight (q/k/v
+with their unequal GQA widths, gate/up), so one GEMM and one LoRA shrink serve all of them.
+
+Tensor parallelism slots in beside these classes by overriding the sharding hooks of
+``LinearBase``: ``local_sizes`` (the part of the layer this rank holds), ``shard`` (cut a
+full checkpoint or adapter tensor down to that part) and ``forward`` where the output needs a
+reduction (row-parallel: all-reduce the base output and the shrink output). Loaders and the
+LoRA manager always hand over *full* tensors and never need to know how the layer is split.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from detlora.layers.backend import OpBackend
+from detlora.layers.lora_slots import LoRAConfig, LoRASlots
+from detlora.ops.adapter_groups import AdapterGroups
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) for output slices ``output_sizes`` (then + the LoRA update)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        backend: OpBackend,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        lora: LoRAConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if input_size < 1 or not output_sizes or min(output_sizes) < 1:
+            raise ValueError(
+                f"linear sizes must be positive, got input {input_size}, outputs {output_sizes}"
+            )
+        self.backend = backend
+        self.input_size = int(input_size)
+        self.output_sizes = tuple(int(n) for n in output_sizes)
+        local_in, local_out = self.local_sizes()
+        self.local_input_size = local_in
+        self.local_output_sizes = local_out
+        self.local_offsets = (0, *itertools.accumulate(local_out))
+        self.weight = nn.Parameter(
+            torch.empty(sum(local_out), local_in, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(sum(local_out), dtype=dtype, device=device),
+                         requires_grad=False)
+            if bias
+            else None
+        )
+        self.lora = (
+            LoRASlots(local_in, local_out, lora, dtype=dtype, device=device) if lora else None
+        )
+
+    # ---- sharding hooks (identity here; tensor-parallel subclasses override) ----
+
+    def local_sizes(self) -> tuple[int, tuple[int, ...]]:
+        """(input size, output slice sizes) of the part of the layer held here."""
+        return self.input_size, self.output_sizes
+
+    def shard(self, tensor: torch.Tensor, slice_index: int, dim: int) -> torch.Tensor:
+        """The part of a full tensor held here. ``dim`` is the tensor's output (0) or input
+        (1) axis; B of LoRA is cut like the weight's output axis, A like its input axis."""
+        del slice_index, dim
+        return tensor
+
+    # ---- loading ----
+
+    def load_weight(self, tensor: torch.Tensor, slice_index: int = 0) -> None:
+        """Copy the full checkpoint weight of slice ``slice_index`` ([out_s, in])."""
+        self._check_slice(slice_index)
+        expected = (self.output_sizes[slice_index], self.input_size)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight must have shape {expected}, got {tuple(tensor.shape)}")
+        lo, hi = self.local_offsets[slice_index], self.local_offsets[slice_index + 1]
+        local = self.shard(self.shard(tensor, slice_index, 0), slice_index, 1)
+        with torch.no_grad():
+            self.weight[lo:hi].copy_(local)
+
+    def load_bias(self, tensor: torch.Tensor, slice_index: int = 0) -> None:
+        self._check_slice(slice_index)
+        if self.bias is None:
+            raise ValueError("this layer has no bias")
+        expected = (self.output_sizes[slice_index],)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"bias must have shape {expected}, got {tuple(tensor.shape)}")
+        lo, hi = self.local_offsets[slice_index], self.local_offsets[slice_index + 1]
+        with torch.no_grad():
+            self.bias[lo:hi].copy_(self.shard(tensor, slice_index, 0))
+
+    # ---- LoRA slots ----
+
+    def set_lora(
+        self,
+        slot: int,
+        a: Sequence[torch.Tensor | None],
+        b: Sequence[torch.Tensor | None],
+        scale: float,
+    ) -> None:
+        """Write one adapter's full A [r, in] and B [out_s, r] per slice (None: untargeted)."""
+        if self.lora is None:
+            raise ValueError("this layer was built without LoRA slots")
+        a_local = [None if t is None else self.shard(t, s, 1) for s, t in enumerate(a)]
+        b_local = [None if t is None else self.shard(t, s, 0) for s, t in enumerate(b)]
+        self.lora.set_slot(slot, a_local, b_local, scale)
+
+    def clear_lora(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.clear_slot(slot)
+
+    # ---- compute ----
+
+    def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
+        y = self.backend.linear(x, self.weight, self.bias)
+        if self.lora is not None and lora is not None:
+            self.lora.apply(x, y, lora, self.backend)
+        return y
+
+    def _check_slice(self, slice_index: int) -> None:
+        if not 0 <= slice_index < len(self.output_sizes):
+            raise ValueError(
+                f"slice_index {slice_index} is outside [0, {len(self.output_sizes) - 1}]"
+            )
+
+    def extra_repr(self) -> str:
+        lora = f", lora={self.lora.config}" if self.lora is not None else ""
+        return (f"in={self.input_size}, out={list(self.output_sizes)}, "
+                f"bias={self.bias is not None}{lora}")
+
+
+class Linear(LinearBase):
+    """One projection: o_proj, down_proj, the LM head."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, (output_size,), **kwargs)
+
+
+class MergedLinear(LinearBase):
+    """Several projections of one input fused along the output axis (q|k|v, gate|up)."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], **kwargs) -> None:
+        super().__init__(input_size, output_sizes, **kwargs)

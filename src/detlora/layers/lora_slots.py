@@ -1,0 +1,136 @@
+"""The LoRA part of a linear layer: fixed adapter slots that the LoRA manager fills.
+
+Every slot has room for one adapter of rank up to ``max_lora_rank``; smaller ranks are
+zero-padded (zero rows of A and zero columns of B only add exact zeros). The buffers never
+move or change shape, so a captured CUDA graph keeps valid pointers while adapters come and go.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from detlora.layers.backend import OpBackend
+from detlora.ops.adapter_groups import AdapterGroups
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """How many adapters the model holds at once and their largest rank."""
+
+    max_loras: int
+    max_lora_rank: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+# Transitional name: engine/llm_engine.py imports it today.
+LoRASlotConfig = LoRAConfig
+
+
+class LoRASlots(nn.Module):
+    """Adapter slots of one (possibly fused) linear layer with ``len(output_sizes)`` slices.
+
+    lora_a: [max_loras, S, R, in], lora_b: [max_loras, out, R] with R = max_lora_rank (slice s
+    owns rows slice_offsets[s]:slice_offsets[s+1] of B), lora_scale: [max_loras] fp32.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        config: LoRAConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = tuple(int(n) for n in output_sizes)
+        self.config = config
+        self.slice_offsets = (0, *itertools.accumulate(self.output_sizes))
+        slices, out = len(self.output_sizes), sum(self.output_sizes)
+        rank, num = config.max_lora_rank, config.max_loras
+        # Not persistent: adapter weights are not model weights (and not in weights_hash).
+        self.register_buffer(
+            "lora_a", torch.zeros(num, slices, rank, input_size, dtype=dtype, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(num, out, rank, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "lora_scale", torch.zeros(num, dtype=torch.float32, device=device), persistent=False
+        )
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.output_sizes)
+
+    def set_slot(
+        self,
+        slot: int,
+        a: Sequence[torch.Tensor | None],
+        b: Sequence[torch.Tensor | None],
+        scale: float,
+    ) -> None:
+        """Write one adapter into ``slot``: per slice, A [r, in] and B [out_s, r], or None for
+        a slice the adapter does not target (zeros: no update)."""
+        self._check_slot(slot)
+        if len(a) != self.num_slices or len(b) != self.num_slices:
+            raise ValueError(
+                f"expected {self.num_slices} A and B tensors (one per slice), "
+                f"got {len(a)} and {len(b)}"
+            )
+        new_a = torch.zeros_like(self.lora_a[slot])
+        new_b = torch.zeros_like(self.lora_b[slot])
+        for s, (a_s, b_s) in enumerate(zip(a, b, strict=True)):
+            if (a_s is None) != (b_s is None):
+                raise ValueError(f"slice {s}: A and B must both be given or both be None")
+            if a_s is None or b_s is None:
+                continue
+            rank = a_s.shape[0]
+            lo, hi = self.slice_offsets[s], self.slice_offsets[s + 1]
+            if a_s.dim() != 2 or a_s.shape[1] != self.input_size:
+                raise ValueError(
+                    f"slice {s}: A must have shape [r, {self.input_size}], got {tuple(a_s.shape)}"
+                )
+            if tuple(b_s.shape) != (hi - lo, rank):
+                raise ValueError(
+                    f"slice {s}: B must have shape [{hi - lo}, {rank}], got {tuple(b_s.shape)}"
+                )
+            if rank > self.config.max_lora_rank:
+                raise ValueError(
+                    f"slice {s}: rank {rank} exceeds max_lora_rank {self.config.max_lora_rank}"
+                )
+            new_a[s, :rank] = a_s.to(device=new_a.device, dtype=new_a.dtype)
+            new_b[lo:hi, :rank] = b_s.to(device=new_b.device, dtype=new_b.dtype)
+        # In-place copies keep the buffers' addresses (CUDA graphs).
+        self.lora_a[slot].copy_(new_a)
+        self.lora_b[slot].copy_(new_b)
+        self.lora_scale[slot] = float(scale)
+
+    def clear_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_scale[slot] = 0.0
+
+    def apply(
+        self, x: torch.Tensor, y: torch.Tensor, groups: AdapterGroups, backend: OpBackend
+    ) -> torch.Tensor:
+        """y += scale * (x A^T) B^T for every row whose slot is not -1 (in place)."""
+        h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
+        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.config.max_loras:
+            raise ValueError(f"slot {slot} is outside [0, {self.config.max_loras - 1}]")

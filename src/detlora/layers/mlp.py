@@ -1,0 +1,34 @@
+"""SwiGLU MLP: fused gate|up projection, SiLU(gate) * up, down projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from detlora.layers.backend import OpBackend
+from detlora.layers.linear import Linear, MergedLinear
+from detlora.layers.lora_slots import LoRAConfig
+from detlora.ops.adapter_groups import AdapterGroups
+
+
+class GatedMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        backend: OpBackend,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        lora: LoRAConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora)
+        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size,) * 2, **common)
+        self.down_proj = Linear(intermediate_size, hidden_size, **common)
+
+    def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
+        h = self.backend.silu_and_mul(self.gate_up_proj(x, lora))
+        return self.down_proj(h, lora)

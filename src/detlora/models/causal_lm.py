@@ -1,0 +1,231 @@
+"""The decoder-only causal LM that Llama and Qwen3 share, and the model side of the
+engine contract.
+
+The engine (``engine/``) talks to a model through these methods only:
+
+    model = load_model(path, dtype=..., device=..., backend=..., lora_config=LoRAConfig(...))
+    model.spec                               # ModelSpec: layers, heads, head_dim, vocab, ...
+    logits = model(batch, kv_caches)         # fp32 [len(batch.logits_indices), V]; kv_caches:
+                                             # per layer (k_cache, v_cache), engine-allocated
+    kv = model.allocate_kv_cache(n, size)    # or allocate and bind the pages once, then
+    logits = model(batch)                    # run on the bound pages
+    model.hidden_states(batch), model.compute_logits(h)   # the same in two steps
+    model.weights_hash()                     # for fingerprints
+    model.lora_linears(), model.lora_target_shapes()      # for the LoRA manager
+
+``forward`` does no host synchronisation of its own and keeps no per-step state, so it can be
+captured in a CUDA graph around static ForwardBatch tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from detlora.layers.attention import Attention
+from detlora.layers.backend import OpBackend
+from detlora.layers.decoder_layer import DecoderLayer
+from detlora.layers.embedding import VocabEmbedding
+from detlora.layers.linear import Linear, LinearBase
+from detlora.layers.lora_slots import LoRAConfig
+from detlora.layers.mlp import GatedMLP
+from detlora.layers.norm import RMSNorm
+from detlora.layers.rotary import RotaryEmbedding
+from detlora.models.forward_batch import ForwardBatch
+from detlora.models.kv_cache import KVCache
+from detlora.models.spec import ModelSpec
+
+# PEFT names of the projections an adapter may target, per fused layer.
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+GATE_UP_MODULES = ("gate_proj", "up_proj")
+
+# A checkpoint weight: its expected shape and the function that copies it into place.
+WeightSlot = tuple[tuple[int, ...], Callable[[torch.Tensor], None]]
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embedding, N pre-norm decoder layers, final norm, LM head (tied or not).
+
+    Subclasses name the HF architecture they load; the spec says the rest.
+    """
+
+    architecture: ClassVar[str]
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        backend: OpBackend,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        lora: LoRAConfig | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        if spec.architecture != self.architecture:
+            raise ValueError(f"{type(self).__name__} cannot be built from a "
+                             f"{spec.architecture} config")
+        self.spec = spec
+        self.backend = backend
+        self.dtype = dtype or spec.dtype
+        self.lora_config = lora
+        self.max_positions = max_positions or spec.max_position_embeddings
+        self._weights_hash: str | None = None
+        kw = dict(backend=backend, dtype=self.dtype, device=device)
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, **kw)
+        # One cos/sin table shared by every layer.
+        rotary = RotaryEmbedding(spec.head_dim, self.max_positions, spec.rope_theta,
+                                 spec.rope_scaling, backend=backend, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                          rotary, bias=spec.attention_bias,
+                          qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+                          lora=lora, **kw),
+                GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
+                         lora=lora, **kw),
+                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
+                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
+            )
+            for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.lm_head: Linear | None = (
+            None if spec.tie_word_embeddings
+            else Linear(spec.hidden_size, spec.vocab_size, bias=False, **kw)
+        )
+
+    # ---- compute ----
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states of every token row [T, H]."""
+        groups = batch.lora.groups if batch.lora is not None else None
+        x = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch.positions, batch.attn, groups)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> fp32 [N, V] (the head GEMM runs in the model dtype, as HF's does)."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.backend.linear(hidden, head, None).float()
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: KVCache | Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """fp32 next-token logits of the rows ``batch.logits_indices``: [N, V].
+
+        ``kv_caches`` (per layer ``(k_cache, v_cache)``) is bound first when given; without it
+        the pages bound last (``allocate_kv_cache`` / ``bind_kv_cache``) are used.
+        """
+        if kv_caches is not None:
+            self.bind_kv_cache(kv_caches)
+        h = self.hidden_states(batch)
+        return self.compute_logits(h.index_select(0, batch.logits_indices))
+
+    # ---- KV cache ----
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        kv = KVCache.allocate(self.spec, num_blocks, block_size, dtype=self.dtype,
+                              device=self.embed_tokens.weight.device)
+        self.bind_kv_cache(kv)
+        return kv
+
+    def bind_kv_cache(
+        self, kv: KVCache | Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Point every attention layer at its pages: a KVCache or per-layer (k, v) pairs."""
+        pairs = list(kv)
+        if len(pairs) != self.spec.num_layers:
+            raise ValueError(f"KV cache has {len(pairs)} layers, the model {self.spec.num_layers}")
+        for layer, (k, v) in zip(self.layers, pairs, strict=True):
+            layer.self_attn.bind_kv_cache(k, v)
+
+    # ---- checkpoint and adapter mapping ----
+
+    def hf_weights(self) -> dict[str, WeightSlot]:
+        """Every weight a Hugging Face checkpoint of this model must hold, by HF name."""
+        s = self.spec
+        out: dict[str, WeightSlot] = {
+            "model.embed_tokens.weight": ((s.vocab_size, s.hidden_size),
+                                          self.embed_tokens.load_weight),
+            "model.norm.weight": ((s.hidden_size,), self.norm.load_weight),
+        }
+        if self.lm_head is not None:
+            out["lm_head.weight"] = ((s.vocab_size, s.hidden_size), self.lm_head.load_weight)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            out[p + "input_layernorm.weight"] = ((s.hidden_size,),
+                                                 layer.input_layernorm.load_weight)
+            out[p + "post_attention_layernorm.weight"] = (
+                (s.hidden_size,), layer.post_attention_layernorm.load_weight)
+            _add_linear(out, p + "self_attn.", QKV_MODULES, attn.qkv_proj)
+            _add_linear(out, p + "self_attn.", ("o_proj",), attn.o_proj)
+            _add_linear(out, p + "mlp.", GATE_UP_MODULES, mlp.gate_up_proj)
+            _add_linear(out, p + "mlp.", ("down_proj",), mlp.down_proj)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = ((s.head_dim,), attn.q_norm.load_weight)
+                out[p + "self_attn.k_norm.weight"] = ((s.head_dim,), attn.k_norm.load_weight)
+        return out
+
+    def lora_linears(self) -> list[tuple[LinearBase, tuple[str, ...]]]:
+        """Each linear with LoRA slots and the PEFT module names of its slices."""
+        if self.lora_config is None:
+            return []
+        out: list[tuple[LinearBase, tuple[str, ...]]] = []
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            out.append((layer.self_attn.qkv_proj, tuple(a + n for n in QKV_MODULES)))
+            out.append((layer.self_attn.o_proj, (a + "o_proj",)))
+            out.append((layer.mlp.gate_up_proj, tuple(m + n for n in GATE_UP_MODULES)))
+            out.append((layer.mlp.down_proj, (m + "down_proj",)))
+        return out
+
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+        """PEFT module name -> (in_features, out_features) of every LoRA target."""
+        shapes: dict[str, tuple[int, int]] = {}
+        s = self.spec
+        for i in range(s.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            shapes |= {a + "q_proj": (s.hidden_size, s.q_size),
+                       a + "k_proj": (s.hidden_size, s.kv_size),
+                       a + "v_proj": (s.hidden_size, s.kv_size),
+                       a + "o_proj": (s.q_size, s.hidden_size),
+                       m + "gate_proj": (s.hidden_size, s.intermediate_size),
+                       m + "up_proj": (s.hidden_size, s.intermediate_size),
+                       m + "down_proj": (s.intermediate_size, s.hidden_size)}
+        return shapes
+
+    def weights_hash(self) -> str:
+        """Hash of the loaded weights (as converted to the model dtype) and the spec."""
+        if self._weights_hash is None:
+            raise ValueError("weights_hash is known once weights are loaded (use load_model)")
+        return self._weights_hash
+
+    def set_weights_hash(self, value: str) -> None:
+        self._weights_hash = value
+
+
+def _add_linear(
+    out: dict[str, WeightSlot], prefix: str, names: tuple[str, ...], linear: LinearBase
+) -> None:
+    for s, name in enumerate(names):
+        shape = (linear.output_sizes[s], linear.input_size)
+        out[f"{prefix}{name}.weight"] = (shape, _slice_loader(linear.load_weight, s))
+        if linear.bias is not None:
+            out[f"{prefix}{name}.bias"] = ((linear.output_sizes[s],),
+                                           _slice_loader(linear.load_bias, s))
+
+
+def _slice_loader(
+    fn: Callable[[torch.Tensor, int], None], slice_index: int
+) -> Callable[[torch.Tensor], None]:
+    return lambda t: fn(t, slice_index)

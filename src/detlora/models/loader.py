@@ -1,0 +1,128 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) into a detlora model.
+
+Every checkpoint tensor is matched by name to the fused layer slice it fills (q/k/v into
+qkv_proj, gate/up into gate_up_proj) and checked for shape; every expected weight must be
+present exactly once and nothing unexpected may remain, so a checkpoint that does not match
+its config fails loudly instead of running with uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from detlora.layers.backend import OpBackend, make_backend
+from detlora.layers.lora_slots import LoRAConfig
+from detlora.models.causal_lm import DecoderForCausalLM
+from detlora.models.llama import LlamaForCausalLM
+from detlora.models.qwen3 import Qwen3ForCausalLM
+from detlora.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+from detlora.models.weights_hash import combine_digests, tensor_digest
+
+ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+    cls.architecture: cls for cls in (LlamaForCausalLM, Qwen3ForCausalLM)
+}
+assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older checkpoints saved; recomputed here, never loaded.
+_IGNORED = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    backend: OpBackend | None = None,
+    lora_config: LoRAConfig | None = None,
+    max_positions: int | None = None,
+    lora: LoRAConfig | None = None,
+) -> DecoderForCausalLM:
+    """Build the model named by ``path/config.json`` and load its weights.
+
+    ``dtype`` defaults to the checkpoint's; ``backend`` to ``make_backend(device)``;
+    ``lora_config`` reserves adapter slots (None: no LoRA; ``lora`` is a transitional alias
+    that engine/ passes today); ``max_positions`` bounds the rotary table (default:
+    max_position_embeddings).
+    """
+    if lora is not None and lora_config is not None and lora != lora_config:
+        raise ValueError("pass lora_config or lora, not two different configs")
+    lora_config = lora_config or lora
+    path = Path(path)
+    spec = ModelSpec.from_dir(path)
+    dtype = dtype or spec.dtype
+    device = torch.device(device)
+    backend = backend or make_backend(device, dtype=dtype)
+    if backend.device.type != device.type:
+        raise ValueError(f"backend is for {backend.device.type}, the model for {device.type}")
+    model = ARCHITECTURES[spec.architecture](
+        spec, backend=backend, dtype=dtype, device=device, lora=lora_config,
+        max_positions=max_positions,
+    )
+    expected = model.hf_weights()
+    digests: dict[str, str] = {}
+    tied_head: torch.Tensor | None = None
+    unexpected: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if _IGNORED.match(name):
+                    continue
+                if name == "lm_head.weight" and spec.tie_word_embeddings:
+                    tied_head = f.get_tensor(name).to(dtype)
+                    continue
+                if name not in expected:
+                    unexpected.append(name)
+                    continue
+                if name in digests:
+                    raise ValueError(f"weight {name!r} appears twice in the checkpoint "
+                                     f"(again in {file.name})")
+                shape, load = expected[name]
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"weight {name!r} in {file.name} has shape "
+                                     f"{tuple(t.shape)}, expected {shape} from config.json")
+                t = t.to(dtype)
+                digests[name] = tensor_digest(t)
+                load(t.to(device))
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} unexpected weight(s) in the checkpoint, "
+                         f"e.g. {sorted(unexpected)[:5]} (does config.json match the weights?)")
+    missing = sorted(set(expected) - set(digests))
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} weight(s) missing from the checkpoint, "
+                         f"e.g. {missing[:5]}")
+    if tied_head is not None and not torch.equal(tied_head, model.embed_tokens.weight.cpu()):
+        raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs "
+                         "from model.embed_tokens.weight")
+    meta = {"spec": spec.canonical(), "dtype": str(dtype).replace("torch.", "")}
+    model.set_weights_hash(combine_digests(digests, meta))
+    return model.eval()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory: those its index names, or every one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file} is named by {INDEX_FILE} but does not exist")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
+        raise ValueError(f"{path} holds only PyTorch pickle weights (*.bin / *.pt); detlora "
+                         "loads safetensors only (convert with save_pretrained(..., "
+                         "safe_serialization=True))")
+    raise FileNotFoundError(f"{path} holds no *.safetensors weight file")

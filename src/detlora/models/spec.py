@@ -1,0 +1,240 @@
+"""What a model is, read from a Hugging Face ``config.json`` and checked field by field.
+
+Reads both spellings transformers has used: ``rope_theta`` + ``rope_scaling`` (4.x) and
+``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+# architecture -> HF model_type. Both are decoder-only, pre-norm, SwiGLU, neox rotary, GQA.
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+)
+_QK_NORM = frozenset({"Qwen3ForCausalLM"})  # per-head RMSNorm of q and k before rotary
+_ROPE_TYPES = ("default", "llama3")
+_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Mapping[str, Any] | None  # llama3 scaling parameters, or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before rotary (Qwen3)
+    bos_token_id: int | None
+    eos_token_id: tuple[int, ...]  # config.json's int or list (generation_config may add more)
+    dtype: torch.dtype  # the checkpoint's dtype (float32 when config.json names none)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The checkpoint's dtype under its transformers 4.x name."""
+        return self.dtype
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over all layers, in bytes."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * self.num_layers * self.kv_size * elem
+
+    def canonical(self) -> dict[str, Any]:
+        """Every field as plain JSON values, for hashing and reports."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        d["eos_token_id"] = list(self.eos_token_id)
+        return d
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path} is missing: a model directory needs config.json")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_path} must hold a JSON object")
+        return cls.from_config(cfg, source=str(cfg_path))
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelSpec:
+        r = _Reader(cfg, source)
+        arch = _architecture(cfg, source)
+        hidden = r.int("hidden_size")
+        heads = r.int("num_attention_heads")
+        kv_heads = r.int("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ValueError(f"{source}: hidden_size ({hidden}) must be a multiple of "
+                             f"num_attention_heads ({heads}) when head_dim is not given")
+        head_dim = r.int("head_dim", default=hidden // heads)
+        if head_dim % 2:
+            raise ValueError(f"{source}: head_dim must be even for rotary, got {head_dim}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        layer_types = cfg.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not "
+                             "supported (only full_attention)")
+        theta, scaling = _rope(cfg, source)
+        return cls(
+            architecture=arch,
+            vocab_size=r.int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.int("intermediate_size"),
+            num_layers=r.int("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=r.float("rms_norm_eps", default=1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=r.int("max_position_embeddings"),
+            tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
+            attention_bias=r.bool("attention_bias", default=False),
+            mlp_bias=r.bool("mlp_bias", default=False),
+            qk_norm=arch in _QK_NORM,
+            bos_token_id=next(iter(_token_ids(cfg, "bos_token_id", source)), None),
+            eos_token_id=_token_ids(cfg, "eos_token_id", source),
+            dtype=_dtype(cfg, source),
+        )
+
+
+class _Reader:
+    """Typed, checked access to config fields; errors name the file and the field."""
+
+    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
+        self.cfg, self.source = cfg, source
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{self.source}: required field {key!r} is missing")
+            return default
+        return value
+
+    def int(self, key: str, default: int | None = None) -> int:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{self.source}: {key} must be a positive integer, got {v!r}")
+        return v
+
+    def float(self, key: str, default: float | None = None) -> float:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError(f"{self.source}: {key} must be a positive number, got {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.cfg.get(key, default)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise ValueError(f"{self.source}: {key} must be true or false, got {v!r}")
+        return v
+
+
+def _architecture(cfg: Mapping[str, Any], source: str) -> str:
+    archs = cfg.get("architectures")
+    if archs:
+        if not isinstance(archs, list) or len(archs) != 1:
+            raise ValueError(f"{source}: architectures must name one architecture, got {archs!r}")
+        arch = archs[0]
+    else:  # configs written without a model class: fall back on model_type
+        by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
+        arch = by_type.get(cfg.get("model_type"), cfg.get("model_type"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any] | None]:
+    params = cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters must be an object, got {params!r}")
+    legacy = cfg.get("rope_scaling")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise ValueError(f"{source}: rope_scaling must be an object, got {legacy!r}")
+    merged: dict[str, Any] = {**(legacy or {}), **(params or {})}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {kind!r} is not supported "
+                         f"(supported: {', '.join(_ROPE_TYPES)})")
+    if kind == "default":
+        return float(theta), None
+    scaling: dict[str, Any] = {"rope_type": "llama3"}
+    for key, default in (("factor", None), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                         ("original_max_position_embeddings", None)):
+        v = merged.get(key, default)
+        if v is None:
+            raise ValueError(f"{source}: llama3 rope scaling needs {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{source}: rope scaling {key} must be a positive number, got {v!r}")
+        scaling[key] = v
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"{source}: rope scaling high_freq_factor must exceed low_freq_factor")
+    return float(theta), MappingProxyType(scaling)
+
+
+def _token_ids(cfg: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:
+    value = cfg.get(key)
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ValueError(f"{source}: {key} must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _dtype(cfg: Mapping[str, Any], source: str) -> torch.dtype:
+    name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"{source}: dtype {name!r} is not supported "
+                         f"(supported: {', '.join(_DTYPES)})")
+    return _DTYPES[name]

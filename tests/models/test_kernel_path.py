@@ -1,0 +1,70 @@
+"""The CUDA code path (every op a Triton kernel, as make_backend binds it on a GPU) run in
+Triton's CPU interpreter, fp16 (the interpreter's bf16 tl.dot is wrong): it must match
+Hugging Face + PEFT, and under batch_invariant a prompt's logits must not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_hf import HFReference, PagedKV, make_adapter, make_checkpoint, rel_err, split_rows
+
+from detlora.layers.backend import make_backend
+from detlora.lora import LoRAConfig, LoRARequest
+from detlora.lora.manager import LoRAManager
+from detlora.models.loader import load_model
+from detlora.ops._runtime import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
+
+TOL = 1e-2  # fp16 against fp32, relative to the largest logit
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kernels")
+    base = make_checkpoint(root / "base", "qwen3")
+    return (base, make_adapter(base, root / "a1", seed=1),
+            make_adapter(base, root / "a2", r=4, alpha=8, seed=2), HFReference(base))
+
+
+def _model(base, level):
+    backend = make_backend("cpu", level, dtype=torch.float16, kernels=True, max_lora_rank=8)
+    assert not any(v.endswith("_ref") for v in backend.impls.values())
+    model = load_model(base, dtype=torch.float16, backend=backend,
+                       lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
+    model.allocate_kv_cache(num_blocks=32, block_size=4)
+    return model, LoRAManager(model)
+
+
+def test_fast_kernels_match_hf(qwen3):
+    """cuBLAS-style linear (torch), split-KV attention, atomic shrink."""
+    base, a1, a2, ref = qwen3
+    model, manager = _model(base, "fast")
+    paths = [a1, None, a2]
+    slots = manager.activate([LoRARequest("a1", 1, a1), None, LoRARequest("a2", 2, a2)])
+    prompts = [[(7 * i + 3 * j) % 300 for j in range(n)] for i, n in enumerate([5, 8, 3])]
+    batch = PagedKV(32, 4, seed=3).step(dict(enumerate(prompts)), dict(enumerate(slots)), 2)
+    with torch.no_grad():
+        got = split_rows(model(batch), [5, 8, 3])
+    for ids, path, logits in zip(prompts, paths, got, strict=True):
+        assert logits.dtype == torch.float32
+        assert rel_err(logits, ref.logits(ids, path)) < TOL
+
+
+def test_batch_invariant_kernels(qwen3):
+    """Match HF, and a prompt's logits alone equal its logits inside a mixed batch."""
+    base, a1, a2, ref = qwen3
+    model, manager = _model(base, "batch_invariant")
+    r1, r2 = LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2)
+    target = [(5 * j + 1) % 300 for j in range(9)]
+    others = [[(3 * j + 2) % 300 for j in range(n)] for n in (6, 2, 11)]
+    with torch.no_grad():
+        alone = model(PagedKV(32, 4, seed=4).step({0: target}, {0: manager.add(r1)}, 2))
+        slots = manager.activate([r2, None, r1, r1])
+        batch = PagedKV(32, 4, seed=5).step(dict(enumerate([*others, target])),
+                                            dict(enumerate(slots)), 2)
+        mixed = split_rows(model(batch), [6, 2, 11, 9])
+    assert torch.equal(alone, mixed[-1])
+    for ids, path, logits in zip([*others, target], [a2, None, a1, a1], mixed, strict=True):
+        assert rel_err(logits, ref.logits(ids, path)) < TOL
