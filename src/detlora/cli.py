@@ -70,6 +70,92 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(args: argparse.Namespace) -> list[dict]:
+    """--prompt TEXT, or --prompts FILE.jsonl with {"prompt": text or token ids, "lora": NAME}."""
+    if args.prompt is not None:
+        return [{"prompt": args.prompt, "lora": args.prompt_lora}]
+    rows: list[dict] = []
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise ValueError(f"--prompts file {path} does not exist")
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ValueError(f'{path}:{n}: each line must be an object with a "prompt"')
+        rows.append({"prompt": row["prompt"], "lora": row.get("lora")})
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    _prepare_runtime()
+    from detlora.config import SamplingParams
+    from detlora.engine.llm import LLM
+    from detlora.lora.request import LoRARequest
+
+    try:
+        loras: dict[str, LoRARequest] = {}
+        for k, spec in enumerate(args.lora or []):
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
+            loras[name] = LoRARequest(name, k + 1, path)
+        rows = _read_prompts(args)
+        for row in rows:
+            if row["lora"] is not None and row["lora"] not in loras:
+                raise ValueError(f"prompt names adapter {row['lora']!r}, but no --lora "
+                                 f"{row['lora']}=DIR was given (known: {sorted(loras)})")
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k,
+                                logprobs=0 if args.json else None)
+        llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
+                  max_lora_rank=args.max_lora_rank, determinism=args.determinism,
+                  device=args.device, dtype=args.dtype, seed=args.seed,
+                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+        outs = llm.generate([row["prompt"] for row in rows], params,
+                            [loras.get(row["lora"]) if row["lora"] else None for row in rows],
+                            use_tqdm=len(rows) > 1)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"detlora generate: {e}", file=sys.stderr)
+        return 2
+    for row, out in zip(rows, outs, strict=True):
+        c = out.outputs[0]
+        if args.json:
+            print(json.dumps({
+                "prompt": row["prompt"], "lora": row["lora"], "text": c.text,
+                "token_ids": c.token_ids,
+                "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
+                "finish_reason": c.finish_reason, "fingerprint": out.fingerprint,
+            }))
+        else:
+            shown = c.text if llm.get_tokenizer() is not None else str(c.token_ids)
+            print(f"--- {row['prompt']!s} [{row['lora'] or 'base'}] "
+                  f"({c.finish_reason}, fingerprint {out.fingerprint})")
+            print(shown)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _prepare_runtime()
+    import torch
+
+    from detlora.study.demo import run_demo
+
+    if args.device == "cpu" or not torch.cuda.is_available():
+        # Tiny matrices: thread fan-out costs more than it gains (and suffers on busy hosts).
+        torch.set_num_threads(1)
+    levels = args.levels.split(",") if args.levels else None
+    results = run_demo(quick=args.quick, levels=levels, device=args.device)
+    bad = [r for r in results if r.level == "batch_invariant" and r.differing]
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detlora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +179,39 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sweep", action="store_true", help="also time candidate tilings")
     k.add_argument("--sweep-only", action="store_true", help="time candidate tilings only")
     k.set_defaults(func=_cmd_bench_kernels)
+
+    g = sub.add_parser("generate", help="generate text with a model (and LoRA adapters)")
+    g.add_argument("--model", required=True, help="Hugging Face model directory")
+    g.add_argument("--lora", action="append", metavar="NAME=DIR",
+                   help="a PEFT adapter directory, by name (repeatable)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (text)")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help='one JSON object per line: {"prompt": ..., "lora": NAME}')
+    g.add_argument("--prompt-lora", metavar="NAME", help="the adapter for --prompt")
+    g.add_argument("--determinism", choices=["fast", "run_to_run", "batch_invariant"],
+                   default=None, help="default: batch_invariant")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=0, help="engine seed for sampled requests")
+    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--json", action="store_true",
+                   help="one JSON line per prompt: text, token ids, logprobs, fingerprint")
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="bit-identical outputs across batch sizes, on a tiny "
+                                    "model built locally (no downloads)")
+    d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    d.add_argument("--levels", default=None,
+                   help="comma-separated determinism levels (default: all the device shows)")
+    d.add_argument("--device", default="auto")
+    d.set_defaults(func=_cmd_demo)
     return parser
 
 

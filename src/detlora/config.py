@@ -1,4 +1,4 @@
-"""Engine-wide settings: determinism levels and LoRA reduction choices.
+"""Engine-wide settings: determinism levels, LoRA reduction choices, engine and sampling.
 
 Frozen dataclasses and string enums only; nothing here imports torch kernels, so the CLI and
 tests can read settings without touching the GPU.
@@ -6,6 +6,8 @@ tests can read settings without touching the GPU.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -53,3 +55,142 @@ DEFAULT_LORA_REDUCTION: dict[Determinism, LoRAReduction] = {
     Determinism.RUN_TO_RUN: LoRAReduction.ORDERED,
     Determinism.BATCH_INVARIANT: LoRAReduction.ORDERED_BI,
 }
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen (vLLM's names and defaults, minus what we lack).
+
+    ``temperature == 0`` is greedy (argmax, ties to the lowest token id). Otherwise tokens are
+    drawn by Gumbel-max with noise hashed from (seed, position, token id), so a seeded request
+    draws the same tokens whatever shares its batch. ``seed=None`` uses the engine seed and the
+    request's index, so a rerun of the same script repeats.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = -1  # 0 or -1: off
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # when set (>= 0): logprob of each chosen token
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        _check_int("top_k", self.top_k, low=-1)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**64 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {ids!r}")
+        for t in ids:
+            _check_int("stop_token_ids entries", t, low=0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes an engine; ``LLM(...)`` builds one from its arguments.
+
+    ``determinism=None`` means batch_invariant, the default promise on every device (on the
+    CPU every level runs the same batch-invariant torch code). ``lora_reduction=None`` means
+    the level's default (``DEFAULT_LORA_REDUCTION``); ``max_model_len=None`` the model's
+    ``max_position_embeddings``; ``num_kv_blocks=None`` sizes the KV cache from
+    ``gpu_memory_utilization`` on CUDA (from the longest possible batch on the CPU).
+    """
+
+    model: str
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 4
+    determinism: Determinism | None = None
+    lora_reduction: LoRAReduction | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a model directory path, got {self.model!r}")
+        if self.determinism is not None:
+            object.__setattr__(self, "determinism", Determinism.parse(self.determinism))
+        if self.lora_reduction is not None:
+            object.__setattr__(self, "lora_reduction", LoRAReduction.parse(self.lora_reduction))
+        for flag in ("enable_lora", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        _check_int("max_lora_rank", self.max_lora_rank, low=1)
+        _check_int("max_loras", self.max_loras, low=1)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        _check_int("max_num_seqs", self.max_num_seqs, low=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, low=1)
+        _check_int("block_size", self.block_size, low=1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, low=1)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        _check_int("seed", self.seed, low=0, high=2**64 - 1)
+
+    @property
+    def resolved_determinism(self) -> Determinism:
+        return self.determinism or Determinism.BATCH_INVARIANT
+
+    @property
+    def resolved_lora_reduction(self) -> LoRAReduction:
+        return self.lora_reduction or DEFAULT_LORA_REDUCTION[self.resolved_determinism]
+
+
+# "auto" follows config.json's torch_dtype on CUDA and uses float32 on the CPU.
+_DTYPES = {"auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"}
+
+
+def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value

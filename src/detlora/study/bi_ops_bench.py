@@ -25,7 +25,7 @@ PARTS = {
 }
 
 
-def run(parts: list[str], log=print) -> dict:
+def run(parts: list[str], log=print, part_dir: Path | None = None) -> dict:
     result: dict = {"invariance": [], "latency": [], "cublas_workspace_invariant": {},
                     "errors": {}}
     for name in parts:
@@ -36,6 +36,8 @@ def run(parts: list[str], log=print) -> dict:
             result["errors"][name] = traceback.format_exc()
             log(result["errors"][name])
             continue
+        if part_dir is not None:  # survives a later part running out of time
+            (part_dir / f"bi_ops_{name}.json").write_text(json.dumps(part, indent=1) + "\n")
         result["invariance"] += part.get("invariance", [])
         result["latency"] += part.get("latency", [])
         result["cublas_workspace_invariant"].update(part.get("cublas_workspace_invariant", {}))
@@ -54,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python -m detlora.study.bi_ops_bench " + " ".join(sys.argv[1:] if argv is None
                                                                  else argv)
-    result = {"meta": results_meta(command), **run(args.parts)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result = {"meta": results_meta(command), **run(args.parts, part_dir=Path(args.out).parent)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}; errors in: {sorted(result['errors']) or 'none'}")
     return 1 if result["errors"] else 0

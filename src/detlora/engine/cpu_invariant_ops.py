@@ -1,0 +1,149 @@
+"""Batch-invariant CPU versions of the ops whose torch references are not.
+
+The references compute ``x @ W^T`` and attention with whole-batch BLAS calls. On the CPU
+those calls pick their algorithm from the matrix sizes (a different one below 4 rows, and
+attention's softmax and ``P @ V`` change with the context length), so the bits of a row change
+with the batch, with prefill chunking and between prefill and decode. Here every reduction
+runs in calls whose shapes do not depend on the batch:
+
+* GEMMs (linear, LoRA shrink and expand): rows are cut into tiles of ``ROW_TILE`` (the last
+  one zero-padded) and each tile is one ``torch.mm`` of fixed shape ``[ROW_TILE, K] x [K, N]``;
+  a row's bits then depend only on its own values and (N, K). CPU BLAS computes a tile row
+  the same way wherever it sits in the tile (checked in tests/engine).
+* attention: per sequence, the keys are visited in blocks of ``KV_BLOCK`` positions (aligned
+  to position 0, not to pages), each block's scores and ``P @ V`` reduced over a fixed-length
+  innermost axis, blocks merged in position order with an online softmax. Blocks after a
+  query's position are fully masked and leave its state unchanged exactly (``x * 1 + 0``), so
+  the same query gives the same bits in a prefill, a chunk of one, or a decode step.
+
+The engine swaps these into the CPU backend for ``batch_invariant``; elementwise ops, gathers
+and the row reductions (RMSNorm, log-softmax, argmax) of the references are already
+batch-invariant for the hidden and vocabulary sizes a CPU runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from detlora.ops.adapter_groups import AdapterGroups
+
+ROW_TILE = 16
+KV_BLOCK = 16
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [M, K] @ w[N, K]^T`` in fixed ``ROW_TILE``-row tiles: [M, N] fp32."""
+    m, k = x.shape
+    n = w.shape[0]
+    wt = w.float().t()
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    tile = torch.zeros(ROW_TILE, k, dtype=torch.float32, device=x.device)
+    for lo in range(0, m, ROW_TILE):
+        hi = min(lo + ROW_TILE, m)
+        tile.zero_()
+        tile[: hi - lo] = x[lo:hi]
+        out[lo:hi] = torch.mm(tile, wt)[: hi - lo]
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.matmul.linear_ref``."""
+    y = rows_matmul(x.float(), weight)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, groups: AdapterGroups, scale: torch.Tensor
+) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.lora_shrink.lora_shrink_ref``: fp32 [S, M, R]."""
+    _, slices, rank, hidden = lora_a.shape
+    m = x.shape[0]
+    out = torch.zeros(slices, m, rank, dtype=torch.float32, device=x.device)
+    ids = groups.token_adapter.to(torch.int64)
+    for a in torch.unique(ids).tolist():
+        if a < 0:
+            continue
+        rows = (ids == a).nonzero().flatten()
+        h = rows_matmul(x[rows].float(), lora_a[a].reshape(slices * rank, hidden))
+        out[:, rows] = scale[a].float() * h.view(-1, slices, rank).transpose(0, 1)
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor,
+    lora_b: torch.Tensor,
+    groups: AdapterGroups,
+    slice_offsets: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.lora_expand.lora_expand_ref`` (in place, returns y)."""
+    slices = shrink_out.shape[0]
+    if slice_offsets is None:
+        width = lora_b.shape[1] // slices
+        slice_offsets = [s * width for s in range(slices + 1)]
+    ids = groups.token_adapter.to(torch.int64)
+    for a in torch.unique(ids).tolist():
+        if a < 0:
+            continue
+        rows = (ids == a).nonzero().flatten()
+        for s in range(slices):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            h = shrink_out[s, rows].to(lora_b.dtype).float()
+            y[rows, lo:hi] += rows_matmul(h, lora_b[a, lo:hi]).to(y.dtype)
+    return y
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.paged_attention.paged_attention_ref``."""
+    _, hq, d = q.shape
+    page, hk = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hk
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for b, ctx in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        num_blocks = -(-ctx // KV_BLOCK)
+        padded = num_blocks * KV_BLOCK
+        pages = block_tables[b, : -(-ctx // page)].long()
+        keys = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
+        vals = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
+        keys[:ctx] = k_cache[pages].reshape(-1, hk, d)[:ctx].float()
+        vals[:ctx] = v_cache[pages].reshape(-1, hk, d)[:ctx].float()
+        # [blocks, H, KV_BLOCK, D] for scores and [blocks, H, D, KV_BLOCK] for P @ V, so both
+        # reductions run over the innermost, fixed-length axis.
+        keys = keys.repeat_interleave(group, dim=1).view(num_blocks, KV_BLOCK, hq, d)
+        vals = vals.repeat_interleave(group, dim=1).view(num_blocks, KV_BLOCK, hq, d)
+        keys = keys.permute(0, 2, 1, 3).contiguous()
+        vals = vals.permute(0, 2, 3, 1).contiguous()
+        qb = q[lo:hi].float()[:, :, None, :]  # [n, H, 1, D]
+        pos_q = torch.arange(ctx - n, ctx, device=q.device)[:, None, None]
+        m_run = torch.full((n, hq), float("-inf"), dtype=torch.float32, device=q.device)
+        l_run = torch.zeros(n, hq, dtype=torch.float32, device=q.device)
+        acc = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
+        for j in range(num_blocks):
+            s = (qb * keys[j][None]).sum(-1) * scale  # [n, H, KV_BLOCK]
+            pos_k = torch.arange(j * KV_BLOCK, (j + 1) * KV_BLOCK, device=q.device)
+            s = s.masked_fill(pos_k[None, None, :] > pos_q, float("-inf"))
+            m_new = torch.maximum(m_run, s.amax(-1))
+            alpha = torch.exp(m_run - m_new)
+            p = torch.exp(s - m_new[..., None])
+            l_run = l_run * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + (p[:, :, None, :] * vals[j][None]).sum(-1)
+            m_run = m_new
+        out[lo:hi] = (acc / l_run[..., None]).to(q.dtype)
+    return out

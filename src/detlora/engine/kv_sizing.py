@@ -1,0 +1,88 @@
+"""How many KV pages an engine gets when ``num_kv_blocks`` is not given.
+
+CUDA: run the largest step the scheduler can build (``max_num_batched_tokens`` prompt tokens,
+every sequence sampling) on a throw-away cache, note the peak memory, and give the pages
+``gpu_memory_utilization`` of the device minus that peak. CPU: room for ``max_num_seqs`` full
+sequences, capped at ``CPU_KV_BYTES``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detlora.engine.step_inputs import StepInputs
+
+CPU_KV_BYTES = 256 * 2**20
+
+
+def block_bytes(model: torch.nn.Module, block_size: int) -> int:
+    return block_size * model.spec.kv_cache_bytes_per_token(model.dtype)
+
+
+def cpu_num_blocks(model: torch.nn.Module, *, block_size: int, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    per_seq = -(-max_model_len // block_size)
+    cap = max(per_seq, CPU_KV_BYTES // block_bytes(model, block_size))
+    return min(max_num_seqs * per_seq, cap)
+
+
+def profile_step(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 block_size: int) -> StepInputs:
+    """The largest prefill step: prompts of up to ``max_model_len - 1`` tokens, each sampling,
+    laid on pages 0, 1, 2, ... of a throw-away cache."""
+    lens: list[int] = []
+    left = max_num_batched_tokens
+    while left > 0 and len(lens) < max_num_seqs:
+        n = min(left, max_model_len - 1)
+        lens.append(n)
+        left -= n
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    qsl = [0]
+    page = 0
+    for n in lens:
+        pages = -(-n // block_size)
+        table = list(range(page, page + pages))
+        page += pages
+        ids += [0] * n
+        pos += list(range(n))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n)]
+        tables.append(table)
+        qsl.append(qsl[-1] + n)
+    return StepInputs(ids, pos, slots, [-1] * len(ids), tables, lens, qsl,
+                      [q - 1 for q in qsl[1:]])
+
+
+def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.device,
+                    block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                    max_model_len: int, gpu_memory_utilization: float) -> int:
+    """``runner_factory(num_blocks)`` builds an eager runner on a throw-away cache."""
+    step = profile_step(max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        block_size=block_size)
+    scratch_blocks = max(max(row) for row in step.block_tables) + 1
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    runner = runner_factory(scratch_blocks)
+    runner.execute(step, decode_only=False)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    # Non-torch allocations (CUDA context, cuBLAS workspaces) count against the total too.
+    other = total - free - torch.cuda.memory_reserved(device)
+    # The peak keeps the throw-away cache in: the model holds it until the real one is bound.
+    budget = int(total * gpu_memory_utilization) - peak - max(other, 0)
+    num = budget // block_bytes(model, block_size)
+    if num < 1:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: the model and a step of "
+            f"{max_num_batched_tokens} tokens peak at {peak / 2**30:.2f} GiB of "
+            f"{total / 2**30:.2f} GiB (gpu_memory_utilization={gpu_memory_utilization}); "
+            "lower max_num_batched_tokens or raise gpu_memory_utilization"
+        )
+    return int(num)

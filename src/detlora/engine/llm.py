@@ -1,0 +1,144 @@
+"""``LLM``: the offline API, shaped like vLLM's.
+
+    llm = LLM("path/to/model", enable_lora=True, determinism="batch_invariant")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, logprobs=0),
+                        lora_request=[LoRARequest("tox", 1, "path/to/adapter"), None])
+    outs[0].outputs[0].token_ids, .text, .logprobs, outs[0].fingerprint
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from detlora.config import Determinism, EngineConfig, LoRAReduction, SamplingParams
+from detlora.engine.llm_engine import LLMEngine
+from detlora.engine.outputs import RequestOutput
+from detlora.engine.progress import ProgressBar
+from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
+from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.lora.request import LoRARequest
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tokenizer: str | Path | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 4,
+        determinism: Determinism | str | None = None,
+        lora_reduction: LoRAReduction | str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        enable_chunked_prefill: bool = True,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
+        model = str(model)
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"model directory {model} does not exist")
+        self.config = EngineConfig(
+            model=model, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+            max_loras=max_loras, determinism=determinism, lora_reduction=lora_reduction,
+            dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
+            seed=seed,
+        )
+        tok_dir = str(tokenizer) if tokenizer is not None else model
+        self.tokenizer: Tokenizer | None = None
+        if tokenizer is not None or has_tokenizer(tok_dir):
+            self.tokenizer = Tokenizer(tok_dir)
+        self.engine = LLMEngine(
+            self.config,
+            detokenize=self.tokenizer.decode if self.tokenizer else None,
+            extra_eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else (),
+        )
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _token_ids(self, p: Prompt, where: str) -> tuple[list[int], str | None]:
+        if p.token_ids is not None:
+            return list(p.token_ids), p.text
+        if self.tokenizer is None:
+            raise ValueError(f"{where} is text or chat, but the model directory has no "
+                             "tokenizer: pass token ids")
+        if p.messages is not None:
+            return self.tokenizer.encode_chat(p.messages), None
+        assert p.text is not None
+        return self.tokenizer.encode(p.text), p.text
+
+    def generate(
+        self,
+        prompts: object,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in prompt order."""
+        parsed = parse_prompts(prompts)
+        n = len(parsed)
+        params = per_prompt(sampling_params if sampling_params is not None else SamplingParams(),
+                            n, "sampling_params", lambda x: isinstance(x, SamplingParams))
+        loras = per_prompt(lora_request, n, "lora_request",
+                           lambda x: x is None or isinstance(x, LoRARequest))
+        # Check every request before adding any, so a bad one leaves the engine untouched.
+        encoded = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(parsed)]
+        for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
+            self.engine.check_request(ids, sp, lr)
+        seqs = [
+            self.engine.add_request(ids, sp, lora=lr, prompt=text)
+            for (ids, text), sp, lr in zip(encoded, params, loras, strict=True)
+        ]
+        return self._run(seqs, use_tqdm)
+
+    def chat(
+        self,
+        messages: object,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        if isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, dict) for m in messages
+        ):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) and "role" in m
+                                                        for m in c)
+            for c in messages
+        ):
+            raise ValueError("chat takes a list of {'role', 'content'} messages, or a list of "
+                             "such conversations")
+        return self.generate(list(messages), sampling_params, lora_request, use_tqdm)
+
+    def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
+        import sys
+
+        engine = self.engine
+        bar = ProgressBar(len(seqs), desc="generate", enabled=use_tqdm and sys.stderr.isatty())
+        by_id: dict[str, RequestOutput] = {}
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    by_id[out.request_id] = out
+                    bar.update(1, tokens=len(out.outputs[0].token_ids))
+        except BaseException:
+            engine.abort_all()  # leave no half-run request behind for the next call
+            raise
+        finally:
+            bar.close()
+        return [by_id[s.request_id] for s in seqs]

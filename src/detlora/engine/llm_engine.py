@@ -1,0 +1,332 @@
+"""The engine: requests in, one scheduled step at a time, finished outputs out.
+
+``LLMEngine`` wires the pieces together (model + op backend, block manager, scheduler, model
+runner, LoRA manager, sampler, fingerprint). It keeps all state on the instance and does one
+step per ``step()`` call, so ``LLM.generate`` and, later, a server loop drive it the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from detlora.config import Determinism, EngineConfig, SamplingParams
+from detlora.engine import cpu_invariant_ops, kv_sizing
+from detlora.engine.block_manager import BlockManager
+from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
+from detlora.engine.model_runner import ModelRunner
+from detlora.engine.outputs import CompletionOutput, RequestOutput
+from detlora.engine.sampler import Sampler, SampleRequest, derive_seed
+from detlora.engine.scheduler import Scheduler
+from detlora.engine.sequence import FinishReason
+from detlora.engine.sequence import Sequence as Seq
+from detlora.engine.step_inputs import build_step_inputs
+from detlora.layers.backend import OpBackend, make_backend
+from detlora.lora.request import LoRARequest
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available (use device='cpu')")
+    return device
+
+
+def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU; on CUDA the checkpoint's dtype, bfloat16 for fp32 ones
+    (the kernels take 16-bit inputs)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def cpu_invariant_backend(backend: OpBackend) -> OpBackend:
+    """The CPU reference backend with the batch-invariant CPU GEMMs and attention."""
+    impls = dict(backend.impls)
+    names = ("linear", "paged_attention", "lora_shrink", "lora_expand")
+    impls |= {op: f"engine.cpu_invariant_ops.{op}" for op in names}
+    return dataclasses.replace(backend, impls=impls,
+                               **{op: getattr(cpu_invariant_ops, op) for op in names})
+
+
+def stop_token_ids_of(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (an int or a list in each)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and not isinstance(v, bool) and v not in ids:
+                ids.append(v)
+    return tuple(ids)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        detokenize: Callable[[list[int]], str] | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        from detlora.layers.lora_slots import LoRASlotConfig
+        from detlora.models.loader import load_model
+        from detlora.models.spec import ModelSpec
+
+        self.config = config
+        self.detokenize = detokenize
+        spec = ModelSpec.from_dir(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
+        self.determinism = config.resolved_determinism
+        self.lora_reduction = config.resolved_lora_reduction
+        self.max_model_len = config.max_model_len or spec.max_position_embeddings
+        if self.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not config.enable_chunked_prefill and \
+                config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) so that every prompt fits in one step"
+            )
+
+        backend = make_backend(self.device, self.determinism, self.lora_reduction,
+                               dtype=self.dtype, max_lora_rank=config.max_lora_rank)
+        if self.device.type == "cpu" and self.determinism is Determinism.BATCH_INVARIANT:
+            backend = cpu_invariant_backend(backend)
+        self.backend = backend
+        lora = (LoRASlotConfig(config.max_loras, config.max_lora_rank)
+                if config.enable_lora else None)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                backend=backend, lora=lora, max_positions=self.max_model_len)
+        self.spec = self.model.spec
+        self.lora_manager = None
+        if config.enable_lora:
+            from detlora.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model)
+
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        use_graphs = not config.enforce_eager and self.device.type == "cuda"
+        self.runner = ModelRunner(
+            self.model, device=self.device, num_blocks=num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            num_adapters=config.max_loras if config.enable_lora else None,
+            use_cuda_graphs=use_graphs,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_loras=config.max_loras if config.enable_lora else None,
+        )
+        self.sampler = Sampler(backend.argmax, backend.log_softmax)
+        eos = list(stop_token_ids_of(config.model))
+        eos += [t for t in extra_eos_token_ids if t not in eos]
+        self.eos_token_ids = tuple(eos)
+        # Below batch_invariant the bits depend on how steps are batched, so what shapes the
+        # batches is part of the fingerprint; at batch_invariant none of it matters.
+        settings = {} if self.determinism is Determinism.BATCH_INVARIANT else {
+            "block_size": config.block_size, "max_loras": config.max_loras,
+            "cuda_graphs": self.runner.uses_cuda_graphs, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_chunked_prefill": config.enable_chunked_prefill, "num_kv_blocks": num_blocks,
+        }
+        self._fingerprint_parts = engine_fingerprint_parts(
+            weights_hash=self.model.weights_hash(), dtype=self.dtype, device=self.device,
+            backend=backend.describe(), settings=settings,
+        )
+        self._counter = itertools.count()
+        self.num_steps = 0
+
+    # ---- setup ----
+
+    def _default_num_blocks(self) -> int:
+        c = self.config
+        if self.device.type == "cpu":
+            return kv_sizing.cpu_num_blocks(self.model, block_size=c.block_size,
+                                            max_num_seqs=c.max_num_seqs,
+                                            max_model_len=self.max_model_len)
+
+        def factory(n: int) -> ModelRunner:
+            return ModelRunner(self.model, device=self.device, num_blocks=n,
+                               block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                               max_model_len=self.max_model_len,
+                               num_adapters=c.max_loras if c.enable_lora else None,
+                               use_cuda_graphs=False)
+
+        return kv_sizing.cuda_num_blocks(
+            factory, self.model, device=self.device, block_size=c.block_size,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+            max_model_len=self.max_model_len, gpu_memory_utilization=c.gpu_memory_utilization,
+        )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # ---- requests ----
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      lora: LoRARequest | None) -> None:
+        """Raise ValueError for a request the engine could never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("a prompt must have at least one token")
+        vocab = self.spec.vocab_size
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens is too long: max_model_len={self.max_model_len} leaves "
+                f"room for prompts of at most {self.max_model_len - 1} tokens"
+            )
+        if lora is not None:
+            if self.lora_manager is None:
+                raise ValueError("a lora_request was given but the engine was built with "
+                                 "enable_lora=False")
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        pages = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len) - 1)
+        if pages > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the KV cache ({self.block_manager.num_blocks} blocks of "
+                f"{self.config.block_size} tokens) cannot hold one sequence of "
+                f"{n} prompt + {params.max_tokens} output tokens; raise num_kv_blocks"
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        lora: LoRARequest | None = None,
+        prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> Seq:
+        self.check_request(prompt_token_ids, params, lora)
+        index = next(self._counter)
+        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, index)
+        ids = [int(t) for t in prompt_token_ids]
+        seq = Seq(
+            seq_id=index,
+            request_id=request_id if request_id is not None else str(index),
+            prompt=prompt,
+            prompt_token_ids=ids,
+            params=params,
+            sample_seed=seed,
+            max_len=min(len(ids) + params.max_tokens, self.max_model_len),
+            lora=lora,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its pages."""
+        self.scheduler.abort_all()
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; return the requests that finished."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule any waiting sequence "
+                                   "(KV cache too small for the next prompt?)")
+            return []
+        self.num_steps += 1
+        seqs = [s.seq for s in sched.scheduled]
+        slots = [-1] * len(seqs)
+        if self.lora_manager is not None:
+            slots = self.lora_manager.activate([s.lora for s in seqs])
+        step = build_step_inputs(sched, slots, self.config.block_size)
+        logits = self.runner.execute(step, sched.is_decode_only)
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_tokens
+
+        sampling = [s.seq for s in sched.scheduled if s.samples]
+        if not sampling:
+            return []
+        assert logits is not None
+        results = self.sampler(logits, [self._sample_request(s) for s in sampling])
+        finished: list[RequestOutput] = []
+        for seq, result in zip(sampling, results, strict=True):
+            seq.append_token(result.token_id, result.logprobs)
+            reason = self._finish_reason(seq, result.token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(self.output_of(seq))
+        return finished
+
+    def _stop_ids(self, seq: Seq) -> tuple[int, ...]:
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *seq.params.stop_token_ids)))
+
+    def _sample_request(self, seq: Seq) -> SampleRequest:
+        banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
+        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned)
+
+    def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
+        if token in seq.params.stop_token_ids or (
+            not seq.params.ignore_eos and token in self.eos_token_ids
+        ):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- results ----
+
+    def fingerprint_of(self, lora: LoRARequest | None) -> str:
+        adapter = None
+        if lora is not None and self.lora_manager is not None:
+            adapter = self.lora_manager.adapter_hash(lora.lora_int_id)
+        return fingerprint(self._fingerprint_parts, adapter)
+
+    def output_of(self, seq: Seq) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        text = self.detokenize(out_ids) if self.detokenize is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(out_ids),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            fingerprint=self.fingerprint_of(seq.lora),
+        )

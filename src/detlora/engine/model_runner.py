@@ -1,0 +1,110 @@
+"""Runs the model for one scheduled step: KV pages, ForwardBatch, eager or CUDA-graph forward.
+
+The runner owns the paged KV cache (allocated through the model, which binds the per-layer
+pages to its attention layers) and, on CUDA unless ``enforce_eager``, the decode graphs.
+Mixed and prefill steps run eagerly; a step where every sequence decodes one token replays
+the graph of its padded batch size. It returns fp32 logits for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from detlora.engine.cuda_graphs import DecodeGraphs
+from detlora.engine.step_inputs import StepInputs
+from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.ops.adapter_groups import group_tokens
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        num_adapters: int | None,
+        use_cuda_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_adapters = num_adapters
+        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None
+        if use_cuda_graphs and device.type == "cuda":
+            self._capture(max_num_seqs)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
+    def _capture(self, max_num_seqs: int) -> None:
+        graphs = DecodeGraphs(
+            self.model.forward,
+            device=self.device,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            max_model_len=self.max_model_len,
+            num_adapters=self.num_adapters,
+        )
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception as e:  # a kernel that syncs the host cannot be captured
+            self.graph_error = f"{type(e).__name__}: {e}"
+            warnings.warn(
+                f"CUDA-graph capture failed, decode steps run eagerly ({self.graph_error})",
+                RuntimeWarning, stacklevel=3,
+            )
+            torch.cuda.synchronize(self.device)
+            return
+        self.graphs = graphs
+
+    def forward_batch(self, step: StepInputs) -> ForwardBatch:
+        dev = self.device
+
+        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        width = max(len(row) for row in step.block_tables)
+        tables = torch.zeros(step.num_seqs, width, dtype=torch.int32)
+        for i, row in enumerate(step.block_tables):
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        attn = AttentionMetadata(
+            slot_mapping=t(step.slot_mapping, torch.int64),
+            block_tables=tables.to(dev, non_blocking=True),
+            seq_lens=t(step.seq_lens, torch.int32),
+            query_start_loc=t(step.query_start_loc, torch.int32),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+        )
+        lora = None
+        if self.num_adapters is not None:
+            token_adapter = t(step.token_adapter, torch.int32)
+            lora = LoRABatch(group_tokens(token_adapter, self.num_adapters, validate=False))
+        return ForwardBatch(
+            input_ids=t(step.input_ids, torch.int64),
+            positions=t(step.positions, torch.int64),
+            attn=attn,
+            logits_indices=t(step.logits_indices, torch.int64),
+            lora=lora,
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs, decode_only: bool) -> torch.Tensor | None:
+        """Run one step; fp32 logits [len(step.logits_indices), V], or None if none sample."""
+        if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
+            return self.graphs.run(step).float()
+        batch = self.forward_batch(step)
+        if not step.logits_indices:
+            self.model.hidden_states(batch)  # a prefill chunk: only the KV writes matter
+            return None
+        return self.model(batch).float()

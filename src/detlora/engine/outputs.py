@@ -1,0 +1,24 @@
+"""What ``LLM.generate`` returns, shaped like vLLM's ``RequestOutput`` (lists, as there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token
+    finish_reason: str | None  # "length" | "stop", None while unfinished
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    fingerprint: str  # what decided the bits; equal fingerprints, equal outputs

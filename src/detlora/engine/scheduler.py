@@ -1,0 +1,155 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Policy (one step, a token budget of ``max_num_batched_tokens``):
+
+1. Running sequences first, oldest first. Each gets its pending tokens (1 for a decode, the
+   rest of its prompt for a prefill that was cut into chunks), as far as the budget goes. When
+   its pages cannot grow, the newest running sequence is preempted by recompute: its pages are
+   freed and it goes back to the front of the waiting queue (it may be the sequence itself).
+2. Then, unless something was preempted this step, waiting sequences in arrival order, while
+   fewer than ``max_num_seqs`` run and budget is left. With chunked prefill a prompt longer
+   than the remaining budget runs its first part now and the rest in later steps; without it,
+   a prompt waits for a step with room for all of it. A sequence whose adapter would make the
+   step use more than ``max_loras`` adapters waits and the next one is considered; one that
+   cannot get pages stops admission (so a long prompt is not starved by short ones).
+
+A sequence is sampled in a step when the step computes its last pending token. Nothing here
+touches tensors or global state: an engine owns one scheduler and drives it step by step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from detlora.engine.block_manager import BlockManager
+from detlora.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step: [seq.num_computed, + num_tokens)
+    samples: bool  # this step computes the last pending token, so it samples the next one
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes one token and samples: the CUDA-graph path."""
+        return bool(self.scheduled) and all(s.num_tokens == 1 and s.samples for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        max_loras: int | None = None,
+    ) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            while not self.blocks.can_allocate(seq, seq.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing after it is left either
+            self.blocks.allocate(seq, seq.num_computed + n)
+            scheduled.append(ScheduledSequence(seq, n, n == seq.num_pending))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+        adapters = {s.lora for s in self.running if s.lora is not None}
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if (
+                self.max_loras is not None
+                and seq.lora is not None
+                and seq.lora not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                skipped.append(self.waiting.popleft())
+                continue
+            n = seq.num_pending
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora)
+            scheduled.append(ScheduledSequence(seq, n, n == seq.num_pending))
+            budget -= n
+        # Skipped sequences keep their place ahead of everything that arrived after them.
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def abort_all(self) -> None:
+        for seq in self.running:
+            self.blocks.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        for seq in self.waiting:
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """``seq`` is done: release its pages and drop it from the running list."""
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)

@@ -1,0 +1,87 @@
+"""One request's state as it moves through the engine: tokens, KV pages, progress, result.
+
+A sequence holds its prompt and the tokens generated so far in one list. ``num_computed``
+counts the leading tokens whose K/V sit in the cache; the scheduler gives a step the tokens
+``[num_computed, num_computed + n)``, and once every token is computed the step's logits row
+samples the next token. Preemption sets ``num_computed`` back to zero and frees the pages, so
+the recompute is an ordinary prefill of prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from detlora.config import SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    STOP = "stop"  # an EOS or stop token was generated
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable per-request state; owned by one engine, driven by its scheduler."""
+
+    seq_id: int  # engine-wide arrival index: decides the default seed and the FCFS order
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_seed: int  # params.seed, or derived from (engine seed, seq_id)
+    max_len: int  # prompt + max_tokens, capped at max_model_len
+    lora: object | None = None  # a LoRARequest, or None for the base model
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the pages are gone, so every token is computed again later."""
+        self.num_computed = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,263 @@
+"""``detlora demo``: the same requests at several batch sizes, bit for bit, per determinism level.
+
+Everything is built locally in a temporary directory, nothing is downloaded: a word-level
+tokenizer trained on a built-in text (wrapped as a PreTrainedTokenizerFast with a small chat
+template), a random Llama-architecture model written as config.json + safetensors, and two
+PEFT LoRA adapters with non-zero B. Then, per determinism level, every prompt runs alone
+(the reference) and again in batches of several sizes, in reverse arrival order, with mixed
+adapters, and with a KV cache so small that sequences are preempted and recomputed; the table
+says whether token ids and logprobs stayed identical to the bit.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TEXT = """
+the engine reads the prompt and writes the answer one token at a time . every token is chosen
+from the logits of the model , and the logits are sums of many products . a sum in floating
+point depends on the order of its terms , so a kernel that splits its work differently for a
+large batch than for a small one gives a different answer to the same question . detlora fixes
+the order of every sum for each row , whatever else shares the batch , so the same request
+gives the same bits alone , in a batch , after a preemption or with other adapters beside it .
+a guardrail model that says yes today must say yes tomorrow , and a trainer that replays a
+rollout must see the tokens the sampler chose . the user asks a question and the assistant
+answers it with care . small models are quick to build and quick to run on a laptop .
+"""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TinyModelShape:
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    max_positions: int = 512
+    rank: int = 8
+
+
+def build_tokenizer(out_dir: Path) -> int:
+    """Train a word-level tokenizer on TEXT and save it into ``out_dir``; returns vocab size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL)
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return tok.get_vocab_size()
+
+
+def write_model(out_dir: Path, vocab: int, shape: TinyModelShape, seed: int = 0) -> None:
+    """A random Llama checkpoint (fp32 safetensors + config.json), no transformers needed."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = shape.hidden, shape.intermediate, shape.hidden // shape.heads
+    kv = shape.kv_heads * d
+
+    def rnd(*size: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(*size, generator=g) * std
+
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": rnd(vocab, h, std=1.0),
+        "model.norm.weight": 1 + rnd(h),
+        "lm_head.weight": rnd(vocab, h, std=0.2),
+    }
+    for layer in range(shape.layers):
+        p = f"model.layers.{layer}."
+        w |= {
+            p + "input_layernorm.weight": 1 + rnd(h),
+            p + "post_attention_layernorm.weight": 1 + rnd(h),
+            p + "self_attn.q_proj.weight": rnd(h, h, std=0.2),
+            p + "self_attn.k_proj.weight": rnd(kv, h, std=0.2),
+            p + "self_attn.v_proj.weight": rnd(kv, h, std=0.2),
+            p + "self_attn.o_proj.weight": rnd(h, h, std=0.2),
+            p + "mlp.gate_proj.weight": rnd(i, h, std=0.2),
+            p + "mlp.up_proj.weight": rnd(i, h, std=0.2),
+            p + "mlp.down_proj.weight": rnd(h, i, std=0.2),
+        }
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out_dir / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab, "hidden_size": h, "intermediate_size": i,
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads, "head_dim": d, "hidden_act": "silu",
+        "max_position_embeddings": shape.max_positions, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": SPECIAL.index("<s>"), "eos_token_id": SPECIAL.index("</s>"),
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_adapter(out_dir: Path, shape: TinyModelShape, seed: int) -> None:
+    """A PEFT LoRA adapter on all seven projections with non-zero A and B."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = shape.hidden, shape.intermediate, shape.hidden // shape.heads
+    kv = shape.kv_heads * d
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    w: dict[str, torch.Tensor] = {}
+    for layer in range(shape.layers):
+        for name, (fin, fout) in dims.items():
+            part = "self_attn" if name in LORA_TARGETS[:4] else "mlp"
+            p = f"base_model.model.model.layers.{layer}.{part}.{name}."
+            w[p + "lora_A.weight"] = torch.randn(shape.rank, fin, generator=g) * 0.2
+            w[p + "lora_B.weight"] = torch.randn(fout, shape.rank, generator=g) * 0.2
+    save_file(w, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": shape.rank, "lora_alpha": 2 * shape.rank,
+              "target_modules": list(LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
+              "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
+def build_demo_assets(root: Path, shape: TinyModelShape | None = None) -> tuple[Path, list[Path]]:
+    """Write tokenizer + model into ``root/model`` and two adapters; return their paths."""
+    shape = shape or TinyModelShape()
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(model_dir)
+    write_model(model_dir, vocab, shape)
+    adapters = [root / "adapter_a", root / "adapter_b"]
+    for k, path in enumerate(adapters):
+        write_adapter(path, shape, seed=100 + k)
+    return model_dir, adapters
+
+
+PROMPTS = [
+    "the engine reads the prompt and",
+    "a sum in floating point depends on",
+    "the user asks a question and",
+    "every token is chosen from the logits of",
+    "a guardrail model that says yes today",
+    "small models are quick to build and",
+    "detlora fixes the order of every sum",
+    "a trainer that replays a rollout must see",
+]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    level: str
+    comparisons: int
+    differing: int  # outputs whose token ids or logprobs differ from the reference
+    differing_tokens: int  # outputs whose token ids differ
+
+
+def _same(a, b) -> bool:
+    x, y = a.outputs[0], b.outputs[0]
+    return x.token_ids == y.token_ids and x.logprobs == y.logprobs
+
+
+def run_demo(
+    *, quick: bool = False, levels: Sequence[str] | None = None, device: str = "auto",
+    log: Callable[[str], None] = print,
+) -> list[CheckResult]:
+    from detlora.config import SamplingParams
+    from detlora.engine.llm import LLM
+    from detlora.lora.request import LoRARequest
+
+    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if levels is None:
+        levels = ["batch_invariant", "run_to_run", "fast"] if on_gpu \
+            else ["batch_invariant", "run_to_run"]
+    prompts = PROMPTS[:6] if quick else PROMPTS
+    max_tokens = 12 if quick else 24
+    n = len(prompts)
+    started = time.perf_counter()
+    results: list[CheckResult] = []
+    with tempfile.TemporaryDirectory(prefix="detlora-demo-") as tmp:
+        model_dir, adapter_dirs = build_demo_assets(Path(tmp))
+        loras = [LoRARequest(name, k + 1, str(path))
+                 for k, (name, path) in enumerate(zip("ab", adapter_dirs, strict=True))]
+        mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
+        # Greedy for half the prompts, seeded sampling for the rest; logprobs for all.
+        params = [
+            SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+            if k % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                           temperature=0.8, top_p=0.9, seed=1000 + k)
+            for k in range(n)
+        ]
+        log(f"detlora demo: random tiny Llama (2 layers, hidden 64) + 2 LoRA adapters, "
+            f"{'cuda' if on_gpu else 'cpu'}; {n} prompts x {max_tokens} tokens, greedy and "
+            "seeded sampling; token ids and logprobs compared bit for bit")
+        for level in levels:
+            llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                      determinism=level, device=device, max_num_seqs=64)
+            alone = [llm.generate(prompts[k], params[k], mixed[k], use_tqdm=False)[0]
+                     for k in range(n)]
+
+            def batched(order: Sequence[int], size: int, llm=llm) -> list:
+                outs: dict[int, object] = {}
+                for lo in range(0, len(order), size):
+                    idx = list(order[lo: lo + size])
+                    got = llm.generate([prompts[k] for k in idx], [params[k] for k in idx],
+                                       [mixed[k] for k in idx], use_tqdm=False)
+                    outs.update(zip(idx, got, strict=True))
+                return [outs[k] for k in range(n)]
+
+            def record(check: str, outs: list, ref: list = alone, level=level) -> None:
+                pairs = list(zip(ref, outs, strict=True))
+                diff = sum(not _same(a, b) for a, b in pairs)
+                toks = sum(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in pairs)
+                results.append(CheckResult(check, level, n, diff, toks))
+
+            full = batched(range(n), n)
+            record("repeat: same batch twice", batched(range(n), n), full)
+            for size in (2, n) if quick else (2, 4, n):
+                record(f"batch of {size} vs alone", batched(range(n), size))
+            record("reverse arrival order vs alone", batched(range(n - 1, -1, -1), n))
+            record("mixed adapters in one batch vs alone", full)
+            small = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                        determinism=level, device=device, num_kv_blocks=16, block_size=4,
+                        max_num_batched_tokens=16)
+            pre = small.generate(prompts, params, mixed, use_tqdm=False)
+            record(f"preempted ({small.engine.scheduler.num_preemptions}x), chunked vs alone",
+                   pre)
+            del llm, small
+    _print_table(results, levels, log)
+    log(f"({time.perf_counter() - started:.1f} s)")
+    return results
+
+
+def _print_table(results: list[CheckResult], levels: Sequence[str],
+                 log: Callable[[str], None]) -> None:
+    checks = list(dict.fromkeys(r.check for r in results))
+    width = max(len(c) for c in checks) + 2
+    log("")
+    log("check".ljust(width) + "".join(lv.ljust(28) for lv in levels))
+    for check in checks:
+        cells = []
+        for lv in levels:
+            r = next(x for x in results if x.check == check and x.level == lv)
+            cell = "identical" if r.differing == 0 else \
+                f"DIFFERS {r.differing}/{r.comparisons} ({r.differing_tokens} in tokens)"
+            cells.append(cell.ljust(28))
+        log(check.ljust(width) + "".join(cells))
+    log("(DIFFERS k/n: k of n outputs changed their logprobs or token ids)")

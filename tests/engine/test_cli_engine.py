@@ -1,0 +1,102 @@
+"""``detlora demo`` and ``detlora generate`` on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from detlora.cli import main
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+from detlora.lora.request import LoRARequest
+from detlora.study.demo import build_demo_assets
+
+
+@pytest.fixture(scope="module")
+def demo_assets(tmp_path_factory):
+    return build_demo_assets(tmp_path_factory.mktemp("demo"))
+
+
+def test_demo_quick_runs_and_batch_invariant_is_identical():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "detlora.cli", "demo", "--quick"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("check"))
+    assert "batch_invariant" in header and "run_to_run" in header
+    rows = [line for line in lines if line.startswith(("repeat", "batch of", "reverse",
+                                                       "mixed", "preempted"))]
+    assert len(rows) == 6
+    # The batch_invariant column says identical for every check.
+    lo, hi = header.index("batch_invariant"), header.index("run_to_run")
+    assert all(row[lo:hi].strip() == "identical" for row in rows), proc.stdout
+
+
+def test_generate_text_jsonl_with_adapters(demo_assets, tmp_path, capsys):
+    model_dir, adapters = demo_assets
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "the engine reads the prompt and"},
+            {"prompt": "a sum in floating point", "lora": "a"},
+            {"prompt": [5, 6, 7], "lora": "b"}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    argv = ["generate", "--model", str(model_dir), "--lora", f"a={adapters[0]}",
+            "--lora", f"b={adapters[1]}", "--prompts", str(prompts), "--max-tokens", "5",
+            "--max-lora-rank", "8", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [g["lora"] for g in got] == [None, "a", "b"]
+    # The API gives the same tokens, logprobs and fingerprints.
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu")
+    loras = [None, LoRARequest("a", 1, str(adapters[0])), LoRARequest("b", 2, str(adapters[1]))]
+    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(max_tokens=5, logprobs=0),
+                        loras, use_tqdm=False)
+    for g, o in zip(got, outs, strict=True):
+        c = o.outputs[0]
+        assert g["token_ids"] == c.token_ids and g["text"] == c.text
+        assert g["logprobs"] == [next(iter(d.values())) for d in c.logprobs]
+        assert g["fingerprint"] == o.fingerprint
+    assert got[0]["text"] and all(len(g["token_ids"]) >= 1 for g in got)
+
+
+def test_generate_plain_prompt_and_errors(demo_assets, capsys):
+    model_dir, _ = demo_assets
+    assert main(["generate", "--model", str(model_dir), "--prompt", "the user asks",
+                 "--max-tokens", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- the user asks [base]") and "fingerprint" in out
+    assert main(["generate", "--model", str(model_dir), "--prompt", "x", "--prompt-lora",
+                 "nope", "--device", "cpu"]) == 2
+    assert "no --lora nope=DIR" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
+
+
+def test_chat_through_the_template(demo_assets):
+    model_dir, _ = demo_assets
+    llm = LLM(str(model_dir), device="cpu")
+    msgs = [{"role": "user", "content": "the user asks a question"}]
+    chat = llm.chat(msgs, SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    ids = tok.encode("<|user|> the user asks a question <|assistant|>")
+    assert chat.prompt_token_ids == ids
+    same = llm.generate([msgs], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert same.outputs[0].token_ids == chat.outputs[0].token_ids
+
+
+def test_progress_bar_draws_counts_and_rate():
+    import io
+
+    from detlora.engine.progress import ProgressBar
+
+    buf = io.StringIO()
+    bar = ProgressBar(3, desc="generate", stream=buf, interval=0.0)
+    bar.update(1, tokens=10)
+    bar.update(2, tokens=20)
+    bar.close()
+    text = buf.getvalue()
+    assert "generate: 1/3" in text and "3/3 [" + "#" * 30 + "]" in text and "tok/s" in text
+    silent = io.StringIO()
+    ProgressBar(2, stream=silent, enabled=False).update(2)
+    assert silent.getvalue() == ""

@@ -1,0 +1,181 @@
+"""The engine on CUDA: every determinism level generates; batch_invariant gives the same bits
+at batch sizes 1, 4 and 16 with CUDA graphs on, eager or graphed, and after preemption.
+
+Tiny random bf16 Llama checkpoints and PEFT adapters are written with safetensors here (no
+transformers needed on the GPU machine). Bits are compared with ==, never a tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+from detlora.lora.request import LoRARequest
+
+VOCAB = 512
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 256, 2, 4, 2, 512
+HEAD_DIM = HIDDEN // HEADS
+RANK = 16
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write_model(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    kv = KV_HEADS * HEAD_DIM
+
+    def rnd(*size: int, std: float) -> torch.Tensor:
+        return (torch.randn(*size, generator=g) * std).to(torch.bfloat16)
+
+    w = {"model.embed_tokens.weight": rnd(VOCAB, HIDDEN, std=1.0),
+         "model.norm.weight": 1 + rnd(HIDDEN, std=0.1),
+         "lm_head.weight": rnd(VOCAB, HIDDEN, std=0.1)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + rnd(HIDDEN, std=0.1),
+              p + "post_attention_layernorm.weight": 1 + rnd(HIDDEN, std=0.1),
+              p + "self_attn.q_proj.weight": rnd(HIDDEN, HIDDEN, std=0.06),
+              p + "self_attn.k_proj.weight": rnd(kv, HIDDEN, std=0.06),
+              p + "self_attn.v_proj.weight": rnd(kv, HIDDEN, std=0.06),
+              p + "self_attn.o_proj.weight": rnd(HIDDEN, HIDDEN, std=0.06),
+              p + "mlp.gate_proj.weight": rnd(INTER, HIDDEN, std=0.06),
+              p + "mlp.up_proj.weight": rnd(INTER, HIDDEN, std=0.06),
+              p + "mlp.down_proj.weight": rnd(HIDDEN, INTER, std=0.04)}
+    path.mkdir(parents=True)
+    save_file(w, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "eos_token_id": 1, "bos_token_id": 0}))
+
+
+def _write_adapter(path: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    kv = KV_HEADS * HEAD_DIM
+    dims = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv),
+            "o_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, INTER),
+            "up_proj": (HIDDEN, INTER), "down_proj": (INTER, HIDDEN)}
+    w = {}
+    for i in range(LAYERS):
+        for name, (fin, fout) in dims.items():
+            part = "self_attn" if name in TARGETS[:4] else "mlp"
+            p = f"base_model.model.model.layers.{i}.{part}.{name}."
+            w[p + "lora_A.weight"] = (torch.randn(RANK, fin, generator=g) / fin**0.5).to(
+                torch.bfloat16)
+            w[p + "lora_B.weight"] = (torch.randn(fout, RANK, generator=g) * 0.05).to(
+                torch.bfloat16)
+    path.mkdir(parents=True)
+    save_file(w, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": list(TARGETS),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_gpu")
+    _write_model(root / "model")
+    for k in range(2):
+        _write_adapter(root / f"a{k}", seed=10 + k)
+    loras = [LoRARequest(f"a{k}", k + 1, str(root / f"a{k}")) for k in range(2)]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 120, (16,), generator=g)]
+    return root / "model", loras, prompts
+
+
+def _params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True) if k % 2 == 0
+            else SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                                temperature=0.8, top_p=0.95, seed=k)
+            for k in range(n)]
+
+
+def _llm(model_dir, **kw) -> LLM:
+    args = dict(enable_lora=True, max_loras=2, max_lora_rank=RANK, device="cuda",
+                max_num_seqs=32, num_kv_blocks=512)
+    return LLM(str(model_dir), **{**args, **kw})
+
+
+def _batched(llm, prompts, params, loras, size):
+    out = []
+    for lo in range(0, len(prompts), size):
+        out += llm.generate(prompts[lo:lo + size], params[lo:lo + size], loras[lo:lo + size],
+                            use_tqdm=False)
+    return out
+
+
+def _diff(a, b) -> list[int]:
+    return [k for k, (x, y) in enumerate(zip(a, b, strict=True))
+            if x.outputs[0].token_ids != y.outputs[0].token_ids
+            or x.outputs[0].logprobs != y.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("level", ["fast", "run_to_run", "batch_invariant"])
+def test_generates_at_every_level(assets, level):
+    model_dir, loras, prompts = assets
+    llm = _llm(model_dir, determinism=level)
+    mixed = [loras[k % 2] if k % 3 else None for k in range(len(prompts))]
+    outs = llm.generate(prompts, _params(len(prompts)), mixed, use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 24 and all(0 <= t < VOCAB for t in c.token_ids)
+        assert all(v <= 0 for d in c.logprobs for v in d.values())
+    assert len({o.fingerprint for o in outs}) == 3  # base, a0, a1
+    assert llm.engine.runner.uses_cuda_graphs, llm.engine.runner.graph_error
+    # Same batch, same bits, for the levels that promise it.
+    if level != "fast":
+        again = llm.generate(prompts, _params(len(prompts)), mixed, use_tqdm=False)
+        assert _diff(outs, again) == []
+
+
+def test_batch_invariant_across_batch_sizes_with_cuda_graphs(assets):
+    model_dir, loras, prompts = assets
+    n = len(prompts)
+    params, mixed = _params(n), [loras[k % 2] if k % 3 else None for k in range(n)]
+    llm = _llm(model_dir, determinism="batch_invariant")
+    assert llm.engine.runner.uses_cuda_graphs, llm.engine.runner.graph_error
+    ref = _batched(llm, prompts, params, mixed, 1)
+    for size in (4, 16):
+        assert _diff(_batched(llm, prompts, params, mixed, size), ref) == [], size
+    order = list(range(n))[::-1]
+    rev = llm.generate([prompts[k] for k in order], [params[k] for k in order],
+                       [mixed[k] for k in order], use_tqdm=False)
+    assert _diff(rev, [ref[k] for k in order]) == []
+    # Eager (no graphs) gives the graph's bits too.
+    eager = _llm(model_dir, determinism="batch_invariant", enforce_eager=True)
+    assert not eager.engine.runner.uses_cuda_graphs
+    assert _diff(eager.generate(prompts, params, mixed, use_tqdm=False), ref) == []
+
+
+def test_batch_invariant_preemption_and_chunking(assets):
+    model_dir, loras, prompts = assets
+    n = len(prompts)
+    params, mixed = _params(n), [loras[k % 2] if k % 3 else None for k in range(n)]
+    ref = _llm(model_dir, determinism="batch_invariant").generate(prompts, params, mixed,
+                                                                  use_tqdm=False)
+    small = _llm(model_dir, determinism="batch_invariant", num_kv_blocks=24, block_size=16,
+                 max_num_batched_tokens=64)
+    outs = small.generate(prompts, params, mixed, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert _diff(outs, ref) == []
+
+
+def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
+    from detlora.engine.sampler import _mix32, row_keys
+
+    ids = torch.arange(VOCAB, dtype=torch.int64)
+    keys = torch.tensor([row_keys(2**63 + 5, 1000), row_keys(7, 3)], dtype=torch.int64)
+    cpu = _mix32(keys[:, :1] ^ _mix32(ids)[None, :])
+    gpu = _mix32(keys[:, :1].cuda() ^ _mix32(ids.cuda())[None, :])
+    assert torch.equal(cpu, gpu.cpu())
