@@ -27,7 +27,15 @@ Semantics:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+
+from detlora.ops._runtime import cdiv, next_power_of_2
+from detlora.ops.checks import check_same_device, check_shape, check_tensor
 
 
 def write_kv_ref(
@@ -77,3 +85,693 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------- design
+#
+# One Triton kernel serves every mode. A CTA owns one *query tile* of one sequence and one KV
+# head: BLOCK_Q consecutive query positions times the GROUP query heads that share the KV head
+# (row r = (query r // GROUP, head r % GROUP)), so a decode step packs its GROUP heads into the
+# M dimension of the dots. The tile shape (BLOCK_M, warps) depends on head_dim and GROUP only.
+#
+# What fixes a row's bits:
+# * keys are visited in blocks of BLOCK_N = 64 positions aligned to absolute position 0, in
+#   position order, with one online-softmax update per block (fp32, fixed order, exp2);
+# * the KV axis is cut into segments of KV_SEGMENT positions (fixed). Each segment starts a fresh
+#   (max, sum, acc) and segments are folded into a running total in segment order with the same
+#   helper (``_merge``) whether they were computed in one CTA or in several (split-KV, reduced
+#   by the last CTA to finish). The fold of a segment that holds no key of the row is exact;
+# * keys the row may not see (future, or past the context) get score -inf, so p = 0 exactly,
+#   and V rows past the context are loaded as zeros, so they add exact zeros to the MMA sum.
+#   A row's result therefore does not depend on its tile-mates, on how many blocks the tile
+#   walks past the row's position, or on the row's place in the tile.
+# How many CTAs share a tile's segments (``kv_ctas``) is picked from the work size; it never
+# changes bits.
+
+BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
+KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
+_TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
+_MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
+_MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How a query tile is laid out; a function of (head_dim, group) alone."""
+
+    block_m: int  # rows = BLOCK_Q query positions x GROUP heads (+ padding)
+    num_warps: int
+    num_stages: int
+
+    def block_q(self, group: int) -> int:
+        return self.block_m // group
+
+
+def tile_config(head_dim: int, group: int) -> TileConfig:
+    """The one tiling every call with this head_dim and GQA group uses (bits depend on it)."""
+    block_m = 64 if group <= 64 else 128
+    big = head_dim * block_m > 64 * 128
+    return TileConfig(block_m=block_m, num_warps=8 if big else 4, num_stages=2 if big else 3)
+
+
+def numerics_config(head_dim: int, group: int) -> dict[str, int]:
+    """Everything that decides a row's bits, for the engine's fingerprint."""
+    cfg = tile_config(head_dim, group)
+    return {"block_n": BLOCK_N, "kv_segment": KV_SEGMENT, "block_m": cfg.block_m,
+            "num_warps": cfg.num_warps}
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    PAGE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # Negative slots are padding; slots past the cache are skipped rather than written out of
+    # bounds (the host cannot check them without a device sync).
+    if slot < 0 or slot >= num_slots:
+        return
+    page = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < NUM_KV_HEADS) & (d < HEAD_DIM)  # constexpr: no mask when both are powers of 2
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=ok)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=ok)
+    kc = k_cache_ptr + page * stride_kcb + off * stride_kcs + h * stride_kch + d
+    vc = v_cache_ptr + page * stride_vcb + off * stride_vcs + h * stride_vch + d
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def find_tile(
+    pid,
+    query_start_loc_ptr,
+    num_seqs,
+    tiles_per_seq,
+    BLOCK_Q: tl.constexpr,
+    SEARCH: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """(sequence, query tile) of grid slot ``pid``.
+
+    Direct: ``tiles_per_seq`` slots per sequence. Search: sequence b owns the slots from
+    ``query_start_loc[b] // BLOCK_Q + b`` on, which leaves at least ceil(q_len / BLOCK_Q) slots
+    for each sequence in ``num_tokens // BLOCK_Q + num_seqs`` slots in all (vLLM's numbering).
+    """
+    if SEARCH:
+        count = tl.zeros((), dtype=tl.int32)
+        for b0 in range(0, num_seqs, BLOCK_B):
+            offs = b0 + tl.arange(0, BLOCK_B)
+            ok = offs < num_seqs
+            starts = tl.load(query_start_loc_ptr + offs, mask=ok, other=0).to(tl.int32)
+            count += tl.sum(((starts // BLOCK_Q + offs <= pid) & ok).to(tl.int32), axis=0)
+        seq = count - 1
+        q_tile = pid - (tl.load(query_start_loc_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
+    else:
+        seq = pid // tiles_per_seq
+        q_tile = pid % tiles_per_seq
+    return seq, q_tile
+
+
+@triton.jit
+def attend_blocks(
+    m,
+    den,
+    acc,
+    q,
+    k_head_ptr,  # k_cache + kv_head * stride_kh
+    v_head_ptr,
+    table_ptr,  # block_tables row of the sequence
+    blk_lo,
+    blk_hi,
+    ctx,
+    pos,  # [BLOCK_M] absolute position of each row's query
+    max_blocks,
+    num_pages,
+    qk_scale,  # scale * log2(e)
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key blocks [blk_lo, blk_hi), in order, one update per block."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for blk in range(blk_lo, blk_hi):
+        kpos = blk * BLOCK_N + offs_n
+        kv_ok = kpos < ctx
+        page_idx = kpos // PAGE
+        page = tl.load(table_ptr + page_idx, mask=kv_ok & (page_idx < max_blocks), other=0)
+        page = page.to(tl.int64)
+        # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
+        kv_ok = kv_ok & (page >= 0) & (page < num_pages)
+        slot = kpos % PAGE
+        k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # Causal: a row sees keys up to its own position (and so never past the context).
+        s = tl.where(kpos[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # A block that holds no visible key leaves m unchanged: alpha is exactly 1, not exp2(0).
+        alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
+        p = tl.exp2(s - m_use[:, None])
+        den = tl.fma(den, alpha, tl.sum(p, axis=1))
+        # Rows past the context are zeros, so p = 0 there multiplies finite values only.
+        v = tl.load(v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, den, acc
+
+
+@triton.jit
+def _merge(big_m, big_den, big_a, m, den, acc):
+    """Fold one segment's (max, sum, acc) into the running total; exact when the segment is
+    empty (m = -inf, den = 0, acc = 0). Explicit fma: no contraction left to the compiler."""
+    m_new = tl.maximum(big_m, m)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.where(big_m == m_new, 1.0, tl.exp2(big_m - m_use))
+    b = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
+    big_den = tl.fma(den, b, big_den * a)
+    big_a = tl.fma(acc, b[:, None], big_a * a[:, None])
+    return m_new, big_den, big_a
+
+
+@triton.jit
+def _finish(big_a, big_den):
+    """Normalize; rows that saw no key (padding rows only) divide by 1, not 0."""
+    return big_a / tl.where(big_den > 0, big_den, 1.0)[:, None]
+
+
+@triton.jit
+def _load_partial(acc_ptr, ml_ptr, seg, n_segs, row_base, offs_d, ok, part_stride,
+                  HEAD_DIM: tl.constexpr):
+    """Segment ``seg``'s partial for the rows at ``row_base`` (an empty one past n_segs)."""
+    ok = ok & (seg < n_segs)
+    idx = (tl.full((), 0, tl.int64) + seg) * part_stride + row_base
+    m = tl.load(ml_ptr + 2 * idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    den = tl.load(ml_ptr + 2 * idx + 1, mask=ok, other=0.0, cache_modifier=".cg")
+    a = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
+                other=0.0, cache_modifier=".cg")
+    return m, den, a
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_acc_ptr,  # fp32 [segments, T, Hq, D] (split-KV only)
+    part_ml_ptr,  # fp32 [segments, T, Hq, 2]: (max, sum)
+    counter_ptr,  # int32 per (tile slot, kv head); zero between launches
+    qk_scale,
+    num_seqs,
+    num_tokens,
+    num_q_heads,
+    max_blocks,
+    num_pages,
+    tiles_per_seq,
+    seg_blocks,  # key blocks per KV segment
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEARCH: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq, q_tile = find_tile(pid, query_start_loc_ptr, num_seqs, tiles_per_seq,
+                            BLOCK_Q, SEARCH, BLOCK_B)
+    if seq >= num_seqs:
+        return
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    q_lo = q_tile * BLOCK_Q
+    if q_lo >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # Keys past the block table do not exist (a bad seq_len must not read out of bounds).
+    kv_end = tl.minimum(ctx - q_len + tl.minimum(q_lo + BLOCK_Q, q_len), max_blocks * PAGE)
+    n_blocks = tl.cdiv(kv_end, BLOCK_N)
+    n_segs = tl.cdiv(n_blocks, seg_blocks)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = offs_m // GROUP
+    tok = q_start + q_lo + qi
+    row_ok = (qi < BLOCK_Q) & (q_lo + qi < q_len) & (tok >= 0) & (tok < num_tokens)
+    tok = tl.where(row_ok, tok, 0).to(tl.int64)
+    head = kv_head * GROUP + offs_m % GROUP
+    pos = ctx - q_len + q_lo + qi
+    q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    part_row = tok * num_q_heads + head  # partial index within a segment
+    part_stride = num_tokens * num_q_heads
+
+    if SPLIT:
+        seg_first = tl.program_id(2)
+        seg_step = tl.num_programs(2)
+    else:
+        seg_first = 0
+        seg_step = 1
+    big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    big_den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for seg in range(seg_first, n_segs, seg_step):
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        blk_lo = seg * seg_blocks
+        blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
+        m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, blk_lo,
+                                    blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
+                                    stride_kb, stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
+                                    HEAD_DIM, DOT_PRECISION)
+        if SPLIT:
+            idx = (tl.full((), 0, tl.int64) + seg) * part_stride + part_row
+            tl.store(part_ml_ptr + 2 * idx, m, mask=row_ok)
+            tl.store(part_ml_ptr + 2 * idx + 1, den, mask=row_ok)
+            tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_ok[:, None])
+        else:
+            big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
+
+    if not SPLIT:
+        out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        mine = tl.cdiv(n_segs - seg_first, seg_step)
+        if mine > 0:
+            # Every partial of this CTA is written before the counter moves (CTA barrier, then
+            # a release at GPU scope); the CTA that completes the count acquires and folds.
+            tl.debug_barrier()
+            tile_id = pid * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter_ptr + tile_id, mine, sem="acq_rel", scope="gpu")
+            if done + mine == n_segs:
+                n_rows = tl.minimum(BLOCK_Q, q_len - q_lo) * GROUP
+                for r0 in range(0, n_rows, MERGE_ROWS):
+                    r = r0 + tl.arange(0, MERGE_ROWS)
+                    ok = r < n_rows
+                    t = (q_start + q_lo + r // GROUP).to(tl.int64)
+                    ok = ok & (t >= 0) & (t < num_tokens)
+                    t = tl.where(ok, t, 0)
+                    h = kv_head * GROUP + r % GROUP
+                    base = t * num_q_heads + h
+                    tot_m = tl.full((MERGE_ROWS,), float("-inf"), dtype=tl.float32)
+                    tot_den = tl.zeros((MERGE_ROWS,), dtype=tl.float32)
+                    tot_a = tl.zeros((MERGE_ROWS, HEAD_DIM), dtype=tl.float32)
+                    # Four segments' loads in flight, then four folds in order (a fold past
+                    # n_segs is an exact no-op).
+                    for s0 in range(0, n_segs, 4):
+                        m0, d0, a0 = _load_partial(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
+                                                   offs_d, ok, part_stride, HEAD_DIM)
+                        m1, d1, a1 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 1, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        m2, d2, a2 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 2, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        m3, d3, a3 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 3, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m0, d0, a0)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m1, d1, a1)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m2, d2, a2)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m3, d3, a3)
+                    out_ptrs = out_ptr + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
+                    tl.store(out_ptrs, _finish(tot_a, tot_den).to(out_ptr.dtype.element_ty),
+                             mask=ok[:, None])
+                tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Shapes of one paged-attention call, validated."""
+
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_seqs: int
+    page_size: int
+    max_blocks: int
+    max_query_len: int | None  # None: unknown on the host
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def capacity(self) -> int:
+        """Positions a block-table row can address."""
+        return self.max_blocks * self.page_size
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+    max_query_len: int | None,
+) -> AttentionProblem:
+    """Validate a paged-attention call; every failure is a ValueError naming the argument.
+
+    Always checked (no device sync): types, ranks, dtypes, shapes, head counts, devices.
+    Checked only when the index tensors are on the CPU (a read there is free; on CUDA it would
+    sync the stream and break graph capture): query_start_loc starts at 0, never decreases and
+    ends at T; every q_len <= seq_len; every seq_len fits its block-table row; the used pages
+    exist; max_query_len covers every q_len. On CUDA these are the caller's contract; the kernel
+    never reads or writes out of bounds on a violation, but its results are then undefined.
+    """
+    q = check_tensor("q", q, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
+    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=_DTYPES, unit_last_stride=True)
+    v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=_DTYPES, unit_last_stride=True)
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        check_tensor(name, t, ndim=2 if name == "block_tables" else 1, dtypes=_INDEX_DTYPES,
+                     unit_last_stride=True)
+    num_tokens, hq, d = q.shape
+    num_blocks, page, hk, dk = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must "
+                         f"match q dtype {q.dtype}")
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} must match q head_dim {d}")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"q head_dim must be a power of two in [16, 256], got {d}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"q has {hq} heads, not a multiple of k_cache's {hk} KV heads")
+    if hq // hk > 128:
+        raise ValueError(f"q heads per KV head must be <= 128, got {hq // hk}")
+    num_seqs = seq_lens.shape[0]
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must have one row per sequence ({num_seqs}), "
+                         f"got shape {tuple(block_tables.shape)}")
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), unit_last_stride=True)
+        check_shape("out", out, q.shape)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if max_query_len is not None and (isinstance(max_query_len, bool)
+                                      or not isinstance(max_query_len, int) or max_query_len < 0):
+        raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+               "seq_lens": seq_lens, "query_start_loc": query_start_loc}
+    if out is not None:
+        tensors["out"] = out
+    check_same_device(**tensors)
+    if query_start_loc.device.type == "cpu":
+        max_query_len = _check_contents(block_tables, seq_lens, query_start_loc, num_tokens,
+                                        page, num_blocks, max_query_len)
+    return AttentionProblem(num_tokens, hq, hk, d, num_seqs, page, block_tables.shape[1],
+                            max_query_len)
+
+
+def _check_contents(block_tables, seq_lens, query_start_loc, num_tokens, page, num_blocks,
+                    max_query_len):
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) != 0 or bool((q_lens < 0).any()) or int(qsl[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc must start at 0, never decrease and end at "
+                         f"q.shape[0] = {num_tokens}, got {qsl.tolist()}")
+    lens = seq_lens.long()
+    if bool((q_lens > lens).any()):
+        raise ValueError("seq_lens must be >= each sequence's query length "
+                         f"(seq_lens {lens.tolist()}, query lengths {q_lens.tolist()})")
+    capacity = block_tables.shape[1] * page
+    if bool((lens > capacity).any()):
+        raise ValueError(f"block_tables too short: {block_tables.shape[1]} pages of {page} hold "
+                         f"{capacity} positions, but seq_lens reach {int(lens.max())}")
+    used = torch.arange(block_tables.shape[1])[None, :] < -(-lens[:, None] // page)
+    pages = block_tables.long()[used]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
+        raise ValueError(f"block_tables must index pages in [0, {num_blocks}) for every used "
+                         "position")
+    actual = int(q_lens.max()) if q_lens.numel() else 0
+    if max_query_len is not None and max_query_len < actual:
+        raise ValueError(f"max_query_len {max_query_len} is below the longest query ({actual})")
+    return actual if max_query_len is None else max_query_len
+
+
+def tile_slots(problem: AttentionProblem, block_q: int) -> tuple[int, int, bool]:
+    """(grid slots, tiles per sequence, search): direct slots when max_query_len is known and
+    that is not more slots than the searched numbering needs."""
+    searched = problem.num_tokens // block_q + problem.num_seqs
+    if problem.max_query_len is not None:
+        per_seq = max(1, cdiv(problem.max_query_len, block_q))
+        if problem.num_seqs * per_seq <= searched:
+            return problem.num_seqs * per_seq, per_seq, False
+    return searched, 0, True
+
+
+def search_block(num_seqs: int) -> int:
+    """Sequences per load of the slot search: two sizes, so batch sizes share compilations."""
+    return 128 if num_seqs <= 128 else 1024
+
+
+class _Counters:
+    """Self-resetting int32 arrival counters for the split-KV fold, one buffer per device,
+    zeroed once at allocation (the last CTA of a tile puts its counter back to zero)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor | None:
+        """At least ``numel`` zeros, or None when growing is impossible (graph capture)."""
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            buf = torch.zeros(max(4096, next_power_of_2(numel)), dtype=torch.int32,
+                              device=device)
+            self._buffers[device] = buf
+        return buf[:numel]
+
+    def buffer(self, device: torch.device) -> torch.Tensor | None:
+        """The whole buffer of ``device`` (None before first use), e.g. to check it is zero."""
+        return self._buffers.get(device)
+
+    def reserve(self, device: torch.device | str, numel: int) -> None:
+        """Grow ahead of a CUDA-graph capture (otherwise a capture falls back to one CTA)."""
+        self.get(_device_key(torch.device(device)), numel)
+
+
+COUNTERS = _Counters()
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs (test path) must not silently drop to tf32 on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V row into its page slot (see the module docstring).
+
+    ``slot_mapping`` entries < 0 are padding and skipped; entries past the cache are skipped too
+    (checked on the host only for CPU tensors).
+    """
+    k = check_tensor("k", k, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
+    v = check_tensor("v", v, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
+    k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=_DTYPES, unit_last_stride=True)
+    v_cache = check_tensor("v_cache", v_cache, ndim=4, dtypes=_DTYPES, unit_last_stride=True)
+    slot_mapping = check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=_INDEX_DTYPES,
+                                unit_last_stride=True)
+    num_blocks, page, hk, d = k_cache.shape
+    check_shape("v_cache", v_cache, k_cache.shape)
+    check_shape("k", k, (k.shape[0], hk, d))
+    check_shape("v", v, k.shape)
+    check_shape("slot_mapping", slot_mapping, (k.shape[0],))
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    num_slots = num_blocks * page
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel() \
+            and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache "
+                             f"has {num_slots} slots")
+    if k.shape[0] == 0:
+        return
+    _write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, num_slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE=page, NUM_KV_HEADS=hk, HEAD_DIM=d, BLOCK_H=next_power_of_2(hk),
+        BLOCK_D=next_power_of_2(d),
+        num_warps=4,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    kv_split: int | None = None,
+    kv_ctas: int | None = None,
+) -> torch.Tensor:
+    """Batch-invariant causal attention over the paged cache; see the module docstring.
+
+    ``max_query_len`` (host int, optional) lets the grid give every sequence the same number of
+    query tiles, which skips a search per CTA; it must be >= every q_len.
+    ``kv_split``: positions per KV segment (a multiple of 64; default ``KV_SEGMENT``). It is part
+    of the numerics: keep it fixed (tests pass small values to exercise the fold).
+    ``kv_ctas``: CTAs sharing one query tile's segments (1 = unsplit). None picks it from the
+    work size; it never changes the bits.
+    """
+    problem = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, out, max_query_len)
+    segment = KV_SEGMENT if kv_split is None else kv_split
+    if isinstance(segment, bool) or not isinstance(segment, int) or segment < BLOCK_N \
+            or segment % BLOCK_N:
+        raise ValueError(f"kv_split must be a positive multiple of {BLOCK_N}, got {kv_split!r}")
+    if kv_ctas is not None and (isinstance(kv_ctas, bool) or not isinstance(kv_ctas, int)
+                                or kv_ctas < 1):
+        raise ValueError(f"kv_ctas must be a positive int or None, got {kv_ctas!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    if problem.num_tokens == 0 or problem.num_seqs == 0:
+        return out
+
+    cfg = tile_config(problem.head_dim, problem.group)
+    block_q = cfg.block_q(problem.group)
+    slots, per_seq, search = tile_slots(problem, block_q)
+    hk = problem.num_kv_heads
+    max_segs = cdiv(problem.capacity, segment)
+    scratch_floats = max_segs * problem.num_tokens * problem.num_q_heads * (problem.head_dim + 2)
+    if kv_ctas is None:
+        ctas = 1
+        if slots * hk < _TARGET_CTAS and scratch_floats <= _MAX_SCRATCH_FLOATS:
+            ctas = cdiv(_TARGET_CTAS, slots * hk)
+    else:
+        ctas = kv_ctas
+    ctas = max(1, min(ctas, max_segs))
+    counters = None
+    if ctas > 1:
+        counters = COUNTERS.get(_device_key(q.device), slots * hk)
+        if counters is None:  # capturing a graph with too few counters: one CTA, same bits
+            if kv_ctas is not None:
+                raise ValueError("kv_ctas > 1 needs counters grown before graph capture "
+                                 "(call COUNTERS.reserve or run once uncaptured)")
+            ctas = 1
+    if ctas > 1:
+        part_acc = torch.empty(max_segs * problem.num_tokens * problem.num_q_heads
+                               * problem.head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(max_segs * problem.num_tokens * problem.num_q_heads * 2,
+                              dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+        counters = seq_lens  # unused: any valid pointer
+
+    _paged_attention_kernel[(slots, hk, ctas)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        part_acc, part_ml, counters,
+        float(scale) * LOG2E,
+        problem.num_seqs, problem.num_tokens, problem.num_q_heads, problem.max_blocks,
+        k_cache.shape[0], per_seq, segment // BLOCK_N,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        PAGE=problem.page_size, GROUP=problem.group, HEAD_DIM=problem.head_dim,
+        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
+        MERGE_ROWS=min(_MERGE_ROWS, cfg.block_m), DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+__all__ = [
+    "BLOCK_N",
+    "COUNTERS",
+    "KV_SEGMENT",
+    "numerics_config",
+    "paged_attention",
+    "paged_attention_ref",
+    "tile_config",
+    "write_kv",
+    "write_kv_ref",
+]
