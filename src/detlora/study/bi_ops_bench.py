@@ -18,10 +18,10 @@ import sys
 import traceback
 from pathlib import Path
 
-PARTS = {
+PARTS = {  # cheapest first: a part cut short by a time limit loses only itself
     "rowwise": "detlora.study.bench_rowwise",
-    "matmul": "detlora.study.bench_matmul",
     "attention": "detlora.study.bench_attention",
+    "matmul": "detlora.study.bench_matmul",
 }
 
 
