@@ -111,7 +111,7 @@ def shrink_config(
     elif reduction is LoRAReduction.ORDERED_BI:
         cfg = _ordered_bi_config(num_rows, hidden, n)
     else:  # ordered and tree share the split choice; they differ in how partials are summed
-        cfg = _ordered_config(num_rows, hidden, n)
+        cfg = _ordered_config(num_rows, hidden)
     return _trim_split(cfg, hidden)
 
 
@@ -143,17 +143,10 @@ def _unsplit_config(num_rows: int) -> ShrinkConfig:
                         num_stages=3)
 
 
-def _ordered_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
+def _ordered_config(num_rows: int, hidden: int) -> ShrinkConfig:
     _, chunk, bm, bk, warps = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
-    # With many (M, N) tiles, fewer K splits: every extra CTA pays the ordered tail.
-    tiles = cdiv(num_rows, bm) * cdiv(n, 16)
-    split = max(1, min(cdiv(hidden, chunk), max(2, _ORDERED_CTA_BUDGET // tiles)))
-    return ShrinkConfig(split_k=split, block_m=bm, block_n=16, block_k=bk, num_warps=warps,
-                        num_stages=3)
-
-
-# Ordered's CTAs (tiles x K splits) stay within this budget where the table allows.
-_ORDERED_CTA_BUDGET = 256
+    return ShrinkConfig(split_k=max(1, cdiv(hidden, chunk)), block_m=bm, block_n=16,
+                        block_k=bk, num_warps=warps, num_stages=3)
 
 
 def ordered_bi_split(hidden: int) -> int:
@@ -161,29 +154,23 @@ def ordered_bi_split(hidden: int) -> int:
     return cdiv(hidden, BI_CHUNK)
 
 
-# ordered_bi sums each level where the CTAs (tiles x CTAs along K) stay within this budget,
-# trying one CTA per chunk, then per group, then one for all of K (sweep: the best level
-# moves from chunk to group to all as the (M, N) tiles grow).
-BI_CTA_BUDGET = 400
-# ... but one CTA walks all of K only once the tiles alone fill the 132 SMs of an H200.
-BI_WHOLE_K_MIN_TILES = 132
+# ordered_bi: one CTA per chunk up to this many rows (decode), one CTA per group above.
+BI_CHUNK_CTAS_UP_TO_ROWS = 64
+# One CTA for all of K once the (M, N) tiles alone fill the GPU twice (132 SMs on an H200).
+BI_WHOLE_K_FROM_TILES = 264
 
 
 def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
-    _, _, bm, _, _ = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
-    if num_rows > 256:
-        bm = 64
-    tiles = cdiv(num_rows, bm) * cdiv(n, 16)
-    chunks = ordered_bi_split(hidden)
-    if tiles * chunks <= BI_CTA_BUDGET:
+    _, _, bm, _, warps = next(row for row in _ORDERED_TABLE if num_rows <= row[0])
+    if num_rows <= BI_CHUNK_CTAS_UP_TO_ROWS:
         covers = "chunk"
-    elif tiles * cdiv(chunks, BI_GROUP_CHUNKS) <= BI_CTA_BUDGET or tiles < BI_WHOLE_K_MIN_TILES:
-        covers = "group"
-    else:  # the tiles alone fill the GPU: no scratch traffic at all
+    elif cdiv(num_rows, bm) * cdiv(n, 16) >= BI_WHOLE_K_FROM_TILES:
         covers = "all"
-    return ShrinkConfig(split_k=chunks, block_m=bm, block_n=16, block_k=BI_BLOCK_K,
-                        num_warps=4, num_stages=3, group_chunks=BI_GROUP_CHUNKS,
-                        cta_covers=covers)
+    else:
+        covers = "group"
+    return ShrinkConfig(split_k=ordered_bi_split(hidden), block_m=bm, block_n=16,
+                        block_k=BI_BLOCK_K, num_warps=max(warps, 4), num_stages=3,
+                        group_chunks=BI_GROUP_CHUNKS, cta_covers=covers)
 
 
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from detlora.ops._runtime import cdiv
@@ -595,6 +596,32 @@ def _launch(
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    # Pipelining depth changes no bits; where a tile's stages do not fit in shared memory
+    # (e.g. 128x256 with an fp32 epilogue) run it with fewer, and remember that.
+    stages = _STAGE_CAP.get(_stage_key(cfg, out.dtype), cfg.num_stages)
+    while True:
+        common["num_stages"] = stages
+        try:
+            _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGE_CAP[_stage_key(cfg, out.dtype)] = stages
+
+
+_STAGE_CAP: dict[tuple, int] = {}
+
+
+def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
+    return (cfg.block_m, cfg.block_n, cfg.k_split.block_k, cfg.num_warps, cfg.num_stages,
+            cfg.split_ctas, cfg.tma, out_dtype)
+
+
+def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace):
+    ks = cfg.k_split
+    bm, bn = cfg.block_m, cfg.block_n
     tiles = batch * cdiv(m, bm) * cdiv(n, bn)
     if cfg.split_ctas:
         scratch_numel, counter_numel = _workspace_need(cfg, batch, m, n)
@@ -614,7 +641,7 @@ def _launch(
             a_arg, b_arg, out, bias_arg,
             m, n, k, batch, ks.chunk_blocks, programs, **common,
             # Triton pipelines a flattened tile loop only with TMA loads.
-            GROUP_M=cfg.group_m, FLATTEN=cfg.flatten and use_tma,
+            GROUP_M=cfg.group_m, FLATTEN=cfg.flatten and common["TMA"],
         )
 
 
