@@ -364,7 +364,10 @@ def _hf_peft(model_dir: Path, adapter: Path, w: _Workload,
     return rows, det
 
 
-def run(log: Callable[[str], None] = print, quick: bool = False) -> dict[str, Any]:
+def run(log: Callable[[str], None] = print, quick: bool = False,
+        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The engine study; ``checkpoint`` receives the partial results after every stage, so a
+    run cut short by a time limit still leaves what it measured."""
     if not torch.cuda.is_available():
         raise RuntimeError("the engine benchmark needs a CUDA GPU")
     from detlora.lora.request import LoRARequest
@@ -409,6 +412,9 @@ def run(log: Callable[[str], None] = print, quick: bool = False) -> dict[str, An
             if mode == "batch_invariant":
                 determinism += _preemption(root / "model", mode, w, ref, log)
                 _free_gpu()
+            if checkpoint is not None:
+                checkpoint({"meta": {"engines": engines, "partial": True}, "roofline": roofline,
+                            "throughput": throughput, "determinism": determinism})
         hf_rows, hf_det = _hf_peft(root / "model", root / "adapter0", w, log)
         throughput += hf_rows
         determinism += hf_det
@@ -428,8 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from detlora.cli import results_meta
 
-    result = run(quick=args.quick)
     command = " ".join(["python -m detlora.study.bench_engine", *(argv or sys.argv[1:])])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(partial: dict[str, Any]) -> None:
+        partial["meta"] = {**results_meta(command), **partial["meta"]}
+        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
+
+    result = run(quick=args.quick, checkpoint=checkpoint)
     result["meta"] = {**results_meta(command), **result["meta"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
