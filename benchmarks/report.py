@@ -82,6 +82,69 @@ def lora_kernels(path: Path) -> list[str]:
     return lines
 
 
+def batch_invariant_ops(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    metas = d.get("meta_parts", {"all": d["meta"]})
+    lines = ["**Batch-invariant ops** (" + "; ".join(f"{k}: {_meta_line(v)}"
+                                                   for k, v in metas.items()) + ")", "",
+             "Invariance (row alone vs the same row inside M in {2, 3, 7, 16, 64, 128, 257, "
+             "1024, 4096}; attention also across prefill, chunked prefill, decode, cached "
+             "prefix, split KV):", "",
+             "| op | check | shapes | cases | mismatches |", "|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in d["invariance"]:
+        groups[(row["op"], row["check"])].append(row)
+    for (op, check), rows in groups.items():
+        lines.append(f"| {op} | {check} | {len(rows)} | {sum(r['cases'] for r in rows)} | "
+                     f"{sum(r['mismatches'] for r in rows)} |")
+    summary = d.get("matmul", {}).get("summary")
+    if summary:
+        lo, hi = summary["throughput_vs_cublas_M_le_64"], summary["throughput_vs_cublas_M_ge_256"]
+        lines += ["", f"matmul throughput vs cuBLAS (Llama-3.2-3B and Qwen3-0.6B layers): M <= 64 "
+                  f"median {lo['median']} (min {lo['min']} at {lo['min_at']}), M >= 256 median "
+                  f"{hi['median']} (min {hi['min']} at {hi['min_at']}); targets 0.75 and 0.9."]
+    att = d.get("attention", {}).get("summary")
+    if att:
+        cells = [f"{r['shape']} b{r['M']}: {r['speed_vs_split_kv']}" for r in att
+                 if r["M"] == 1]
+        lines += ["", "Decode attention speed vs the (non-invariant) split-KV kernel at batch 1: "
+                  + ", ".join(cells) + " (target 0.8 at 8k)."]
+    t = d.get("rowwise", {}).get("targets")
+    if t:
+        lines += ["", f"rms_norm share of its bandwidth floor at M >= 256: "
+                  f"{t['rms_norm_floor_fraction_M_ge_256']} (target 0.8)."]
+    cub = d.get("cublas_workspace_invariant")
+    if cub:
+        lines += ["", "cuBLAS bf16 `torch.mm` batch-invariant (row 0 at M = 1 vs inside larger M):",
+                  "", "| weight N x K | default | CUBLAS_WORKSPACE_CONFIG=:16:8 |", "|---|---|---|"]
+        small = cub.get(":16:8", {})
+        for shape, invariant in cub.get("default", {}).items():
+            lines.append(f"| {shape} | {invariant} | {small.get(shape)} |")
+    return lines
+
+
+def engine(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    lines = [f"**Engine, Llama-3.2-3B shape, random bf16 weights, rank-16 adapter on all seven "
+             f"projections** ({_meta_line(d['meta'])})", "",
+             f"Roofline: {d['roofline']['weight_bytes'] / 1e9:.2f} GB of weights over "
+             f"{d['roofline']['copy_TBps']:.2f} TB/s copy = "
+             f"{d['roofline']['batch1_tpot_floor_ms']:.2f} ms per token at batch 1.", "",
+             "| mode | batch | output tok/s | TPOT ms | prefill tok/s |", "|---|---|---|---|---|"]
+    for r in d["throughput"]:
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
+                     f"{r['tpot_ms']:.2f} | {r['prefill_tok_per_s']:.0f} |")
+    lines += ["", "Determinism: outputs (token ids and logprobs, exact) that differ from the "
+              "reference run:", "", "| mode | check | differing / comparisons |", "|---|---|---|"]
+    for r in d["determinism"]:
+        extra = f" (batch {r['batch']})" if "batch" in r and r["check"] == "cross_batch" else ""
+        lines.append(f"| {r['mode']} | {r['check']}{extra} | {r['differing']}/{r['comparisons']} |")
+    if "targets" in d:
+        lines += ["", "Against the targets: " + ", ".join(f"{k} {v}" for k, v in
+                                                          d["targets"].items()) + "."]
+    return lines
+
+
 def other(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     meta = d.get("meta")
@@ -94,6 +157,10 @@ def tables() -> list[str]:
     for path in sorted(RESULTS.glob("*.json")):
         if path.name == "lora_kernels.json":
             out += [*lora_kernels(path), ""]
+        elif path.name == "batch_invariant_ops.json":
+            out += [*batch_invariant_ops(path), ""]
+        elif path.name == "engine.json":
+            out += [*engine(path), ""]
         elif path.name != "lora_sweep.json":
             out += [*other(path), ""]
     return out
