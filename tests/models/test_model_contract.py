@@ -60,12 +60,10 @@ def test_logits_are_fp32_and_split_in_two_steps(qwen3):
     assert torch.equal(logits, again)
 
 
-def test_lora_config_keyword_and_its_alias(qwen3):
+def test_lora_config_reserves_slots(qwen3):
     cfg = LoRAConfig(max_loras=2, max_lora_rank=4)
     assert load_model(qwen3, lora_config=cfg).lora_config == cfg
-    assert load_model(qwen3, lora=cfg).lora_config == cfg  # what engine/ passes today
-    with pytest.raises(ValueError, match="not two different configs"):
-        load_model(qwen3, lora_config=cfg, lora=LoRAConfig(1, 4))
+    assert load_model(qwen3).lora_config is None
     assert load_model(qwen3).lora_config is None
     with pytest.raises(ValueError, match="max_lora_rank must be a positive int"):
         LoRAConfig(2, 0)

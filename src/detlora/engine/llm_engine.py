@@ -86,7 +86,7 @@ class LLMEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
-        from detlora.layers.lora_slots import LoRASlotConfig
+        from detlora.layers.lora_slots import LoRAConfig
         from detlora.models.loader import load_model
         from detlora.models.spec import ModelSpec
 
@@ -116,10 +116,11 @@ class LLMEngine:
         if self.device.type == "cpu" and self.determinism is Determinism.BATCH_INVARIANT:
             backend = cpu_invariant_backend(backend)
         self.backend = backend
-        lora = (LoRASlotConfig(config.max_loras, config.max_lora_rank)
-                if config.enable_lora else None)
+        lora_config = (LoRAConfig(config.max_loras, config.max_lora_rank)
+                       if config.enable_lora else None)
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
-                                backend=backend, lora=lora, max_positions=self.max_model_len)
+                                backend=backend, lora_config=lora_config,
+                                max_positions=self.max_model_len)
         self.spec = self.model.spec
         self.lora_manager = None
         if config.enable_lora:

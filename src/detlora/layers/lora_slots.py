@@ -32,10 +32,6 @@ class LoRAConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-# Transitional name: engine/llm_engine.py imports it today.
-LoRASlotConfig = LoRAConfig
-
-
 class LoRASlots(nn.Module):
     """Adapter slots of one (possibly fused) linear layer with ``len(output_sizes)`` slices.
 

@@ -37,7 +37,8 @@ class _Resident:
 class LoRAManager:
     def __init__(self, model: DecoderForCausalLM) -> None:
         if model.lora_config is None:
-            raise ValueError("the model was built without LoRA slots (load_model(..., lora=...))")
+            raise ValueError(
+                "the model was built without LoRA slots (load_model(..., lora_config=...))")
         self.model = model
         self.max_loras = model.lora_config.max_loras
         self.max_rank = model.lora_config.max_lora_rank

@@ -41,18 +41,13 @@ def load_model(
     backend: OpBackend | None = None,
     lora_config: LoRAConfig | None = None,
     max_positions: int | None = None,
-    lora: LoRAConfig | None = None,
 ) -> DecoderForCausalLM:
     """Build the model named by ``path/config.json`` and load its weights.
 
     ``dtype`` defaults to the checkpoint's; ``backend`` to ``make_backend(device)``;
-    ``lora_config`` reserves adapter slots (None: no LoRA; ``lora`` is a transitional alias
-    that engine/ passes today); ``max_positions`` bounds the rotary table (default:
-    max_position_embeddings).
+    ``lora_config`` reserves adapter slots (None: no LoRA); ``max_positions`` bounds the
+    rotary table (default: max_position_embeddings).
     """
-    if lora is not None and lora_config is not None and lora != lora_config:
-        raise ValueError("pass lora_config or lora, not two different configs")
-    lora_config = lora_config or lora
     path = Path(path)
     spec = ModelSpec.from_dir(path)
     dtype = dtype or spec.dtype
