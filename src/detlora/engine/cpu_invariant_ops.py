@@ -107,8 +107,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Same semantics as ``detlora.ops.paged_attention.paged_attention_ref``."""
+    # Imported here: that module defines Triton kernels, which the CPU engine never launches.
+    from detlora.ops.paged_attention import sequence_kv
+
     _, hq, d = q.shape
-    page, hk = k_cache.shape[1], k_cache.shape[2]
+    hk = k_cache.shape[2]
     group = hq // hk
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -119,11 +122,9 @@ def paged_attention(
             continue
         num_blocks = -(-ctx // KV_BLOCK)
         padded = num_blocks * KV_BLOCK
-        pages = block_tables[b, : -(-ctx // page)].long()
         keys = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
         vals = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
-        keys[:ctx] = k_cache[pages].reshape(-1, hk, d)[:ctx].float()
-        vals[:ctx] = v_cache[pages].reshape(-1, hk, d)[:ctx].float()
+        keys[:ctx], vals[:ctx] = sequence_kv(k_cache, v_cache, block_tables, b, ctx)
         # [blocks, H, KV_BLOCK, D] for scores and [blocks, H, D, KV_BLOCK] for P @ V, so both
         # reductions run over the innermost, fixed-length axis.
         keys = keys.repeat_interleave(group, dim=1).view(num_blocks, KV_BLOCK, hq, d)

@@ -52,6 +52,18 @@ def write_kv_ref(
     v_cache.view(-1, hk, d)[slots[keep]] = v[keep].to(v_cache.dtype)
 
 
+def sequence_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq: int, ctx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``seq``'s first ``ctx`` keys and values gathered from its pages, fp32
+    ``[ctx, Hk, D]`` each (shared by the torch references)."""
+    block_size, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    pages = block_tables[seq, : -(-ctx // block_size)].long()
+    keys = k_cache[pages].reshape(-1, hk, d)[:ctx].float()
+    vals = v_cache[pages].reshape(-1, hk, d)[:ctx].float()
+    return keys, vals
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -61,8 +73,7 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    _, hq, d = q.shape
-    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    hq, hk = q.shape[1], k_cache.shape[2]
     group = hq // hk
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -71,10 +82,7 @@ def paged_attention_ref(
         q_len = hi - lo
         if q_len == 0:
             continue
-        n_pages = -(-ctx // block_size)
-        pages = block_tables[b, :n_pages].long()
-        keys = k_cache[pages].reshape(-1, hk, d)[:ctx].float()  # [ctx, Hk, D]
-        vals = v_cache[pages].reshape(-1, hk, d)[:ctx].float()
+        keys, vals = sequence_kv(k_cache, v_cache, block_tables, b, ctx)  # [ctx, Hk, D]
         keys = keys.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         vals = vals.repeat_interleave(group, dim=1)
         qb = q[lo:hi].float()  # [q_len, Hq, D]
