@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -324,11 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         description="batch-invariant matmul: invariance, latency vs cuBLAS, config sweep (GPU)")
     parser.add_argument("--out", default="benchmarks/results/matmul.json")
     parser.add_argument("--sweep", action="store_true", help="run the config sweep only")
+    parser.add_argument("--layers", default=",".join(SWEEP_LAYERS), help="sweep: layers")
+    parser.add_argument("--ms", default=",".join(map(str, SWEEP_M)), help="sweep: row counts")
     args = parser.parse_args(argv)
     from detlora.cli import results_meta
 
-    command = "python -m detlora.study.bench_matmul" + (" --sweep" if args.sweep else "")
-    body = {"sweep": sweep()} if args.sweep else run()
+    command = " ".join(["python -m detlora.study.bench_matmul", *(argv or sys.argv[1:])])
+    if args.sweep:
+        body = {"sweep": sweep(args.layers.split(","), [int(m) for m in args.ms.split(",")])}
+    else:
+        body = run()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": results_meta(command), **body}, indent=1)
                               + "\n")

@@ -1,0 +1,210 @@
+"""Where an engine step's time goes, on the GPU: host phases, graph replay and kernels.
+
+For each determinism level and batch size, on the model of ``bench_engine``:
+
+* ``phases``: wall time per decode-heavy ``generate`` split into scheduling, step-input
+  building, the model run (synchronised, so it holds the GPU time), sampling, and the rest;
+* ``replay_us``: one decode graph replay alone (CUDA events, median), the GPU floor of a step;
+* ``kernels``: the profiler's kernel table of one replay (name, us per step, launches per step);
+* ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix.
+
+    python -m detlora.study.profile_engine --out out/profile_engine.json [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detlora.study import bench_engine as be
+
+
+class _PhaseClock:
+    """Wraps callables so that their wall time adds up under a phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, name: str, fn: Callable[..., Any], sync: bool = False) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if sync:
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def _event_us(fn: Callable[[], Any], reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us <= 0:
+            continue
+        rows.append({"kernel": e.key[:120], "us_per_step": round(us / steps, 2),
+                     "launches_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
+def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
+                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+    import detlora.engine.llm_engine as le
+
+    eng = llm.engine
+    clock = _PhaseClock()
+    last_step: dict[str, Any] = {}
+    original_build = le.build_step_inputs
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        step = original_build(*args, **kwargs)
+        last_step["step"] = step
+        return step
+
+    le.build_step_inputs = clock.wrap("build_inputs", build)
+    eng.scheduler.schedule = clock.wrap("schedule", eng.scheduler.schedule)
+    eng.runner.execute = clock.wrap("model", eng.runner.execute, sync=True)
+    sampler = eng.sampler
+    eng.sampler = clock.wrap("sample", sampler, sync=True)
+    rows = []
+    try:
+        for b in batches:
+            idx = list(range(b))
+            w.generate(llm, idx)  # warm-up
+            clock.reset()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            w.generate(llm, idx)
+            total = time.perf_counter() - t0
+            phases = {k: round(v * 1e3, 2) for k, v in clock.seconds.items()}
+            phases["rest"] = round(total * 1e3 - sum(phases.values()), 2)
+            row: dict[str, Any] = {"mode": mode, "batch": b, "total_ms": round(total * 1e3, 2),
+                                   "steps": clock.calls["model"], "phases_ms": phases}
+            graphs = eng.runner.graphs
+            bucket = graphs.bucket_for(b) if graphs is not None else None
+            if bucket is not None and bucket in graphs.graphs:
+                g = graphs.graphs[bucket]
+                row["replay_us"] = round(_event_us(g.replay), 1)
+                row["kernels"] = _kernel_table(g.replay)
+            step = last_step.get("step")
+            if step is not None:
+                batch = eng.runner.forward_batch(step)
+                with torch.inference_mode():
+                    row["eager_forward_us"] = round(
+                        _event_us(lambda batch=batch: eng.model(batch)), 1)
+            logits = torch.randn(b, eng.spec.vocab_size, device="cuda") * 3
+            reqs = [eng._sample_request(s) for s in _fake_seqs(w, b)]
+
+            def sample(logits: torch.Tensor = logits, reqs: list[Any] = reqs) -> Any:
+                return sampler(logits, reqs)
+
+            row["sampler_us"] = round(_event_us(sample, reps=10), 1)
+            row["sampler_kernels"] = _kernel_table(sample, steps=3, top=15)
+            rows.append(row)
+            log(f"{mode} batch {b}: total {row['total_ms']:.1f} ms over {row['steps']} steps "
+                f"{phases}; replay {row.get('replay_us')} us, eager "
+                f"{row.get('eager_forward_us')} us, sampler {row['sampler_us']} us")
+            for k in row.get("kernels", [])[:25]:
+                log(f"    {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
+                    f"{k['kernel']}")
+            for k in row["sampler_kernels"][:8]:
+                log(f"  s {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
+                    f"{k['kernel']}")
+    finally:
+        le.build_step_inputs = original_build
+    return rows
+
+
+def _fake_seqs(w: Any, b: int) -> list[Any]:
+    from detlora.engine.sequence import Sequence as Seq
+
+    return [Seq(seq_id=k, request_id=str(k), prompt=None, prompt_token_ids=w.prompts[k],
+                params=w.params[k], sample_seed=k, max_len=10**6, lora=None)
+            for k in range(b)]
+
+
+def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
+        modes: tuple[str, ...] = ("fast", "batch_invariant"),
+        batches: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
+    from detlora.lora.request import LoRARequest
+
+    plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
+                   output_len=tokens, throughput_batches=batches)
+    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens}, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
+        root = Path(tmp)
+        be.write_model(root / "model", plan.shape)
+        be.write_adapter(root / "adapter0", plan.shape, seed=10)
+        be.write_adapter(root / "adapter1", plan.shape, seed=11)
+        loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
+        w = be._Workload(plan, loras)
+        for mode in modes:
+            llm = be._engine(root / "model", mode, plan)
+            out["rows"] += _profile_mode(llm, mode, w, batches, log)
+            del llm
+            be._free_gpu()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="profile engine steps on the GPU")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modes", default="fast,batch_invariant")
+    parser.add_argument("--batches", default="1,64")
+    args = parser.parse_args(argv)
+    body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
+               batches=tuple(int(b) for b in args.batches.split(",")))
+    from detlora.cli import results_meta
+
+    command = " ".join(["python -m detlora.study.profile_engine", *(argv or sys.argv[1:])])
+    body = {"meta": results_meta(command), **body}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(body, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
