@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from detlora.ops.adapter_groups import group_tokens
+from detlora.ops.adapter_groups import group_tokens, group_tokens_host
 
 
 def test_groups_rows_stably_by_adapter_with_nonempty_groups_first():
@@ -40,3 +40,23 @@ def test_other_bad_inputs_raise():
         group_tokens(torch.zeros(2), 2)
     with pytest.raises(ValueError, match="at least one row"):
         group_tokens(torch.zeros(0, dtype=torch.int32), 2)
+
+
+@pytest.mark.parametrize("ids,num_adapters", [
+    ([2, -1, 0, 2, 0, -1, 2], 4), ([3], 8), ([-1, -1], 1), ([0, 1, 0, 1, -1], 2),
+    ([1, 1, 1], 3), (list(range(-1, 7)) * 3, 7),
+])
+def test_host_grouping_gives_the_device_grouping(ids, num_adapters):
+    g = group_tokens(torch.tensor(ids, dtype=torch.int32), num_adapters)
+    host = group_tokens_host(ids, num_adapters)
+    assert host == (g.sorted_rows.tolist(), g.group_start.tolist(), g.group_size.tolist(),
+                    g.group_adapter.tolist())
+
+
+def test_host_grouping_bad_inputs_raise():
+    with pytest.raises(ValueError, match="adapter id 4, outside"):
+        group_tokens_host([0, 4], 4)
+    with pytest.raises(ValueError, match="num_adapters must be a positive int"):
+        group_tokens_host([0], 0)
+    with pytest.raises(ValueError, match="at least one row"):
+        group_tokens_host([], 2)

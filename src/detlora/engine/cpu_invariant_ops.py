@@ -57,12 +57,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, groups: AdapterGroups, scale: torch.Tensor
+    x: torch.Tensor, lora_a: torch.Tensor, groups: AdapterGroups, scale: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same semantics as ``detlora.ops.lora_shrink.lora_shrink_ref``: fp32 [S, M, R]."""
     _, slices, rank, hidden = lora_a.shape
     m = x.shape[0]
-    out = torch.zeros(slices, m, rank, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(slices, m, rank, dtype=torch.float32, device=x.device)
+    out.zero_()
     ids = groups.token_adapter.to(torch.int64)
     for a in torch.unique(ids).tolist():
         if a < 0:

@@ -8,7 +8,9 @@ the row count, so a replay gives the bits of the eager step (tests/gpu proves it
 
 ``max_seq_len`` is fixed at capture to the engine's ``max_model_len``: kernels may only use
 it as an upper bound. Adapter groups are built outside the graph (grouping needs a host
-sync) and copied into per-bucket static group tensors before each replay.
+sync on the device), so they are computed on the host from the step's adapter slots and
+copied with the other inputs: one int64, one int32 and one block-table copy per step, from
+pinned host buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens
+from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -47,18 +49,50 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.num_adapters = num_adapters
         n = self.buckets[-1]
-        kw = dict(device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, **kw)
-        self.positions = torch.zeros(n, dtype=torch.int64, **kw)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, **kw)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **kw)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, **kw)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **kw)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, **kw)
-        self.token_adapter = torch.full((n,), -1, dtype=torch.int32, **kw)
+        self.max_groups = min(n, num_adapters + 1) if num_adapters is not None else 0
+        # Every per-row input lives in one int64 and one int32 buffer (plus the block table),
+        # staged in pinned host twins: a step costs three host-to-device copies.
+        # int64 rows: input_ids, positions, slot_mapping.
+        # int32: seq_lens [n], token_adapter [n], sorted_rows [n], then group_start,
+        # group_size, group_adapter [max_groups each].
+        n32 = 3 * n + 3 * self.max_groups
+        self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        pin = device.type == "cuda"
+        self._h64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self._htables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._copied: torch.cuda.Event | None = None  # host twins are reusable once it fires
+        self._h64[2] = -1  # slot_mapping: padding rows write no KV
+        self._h32[:n] = 1  # seq_lens: a one-token context
+        self._h32[n: 2 * n] = -1  # token_adapter: no adapter
+        self._i64.copy_(self._h64)
+        self._i32.copy_(self._h32)
+        self.input_ids, self.positions, self.slot_mapping = self._i64.unbind(0)
+        self.seq_lens = self._i32[:n]
+        self.token_adapter = self._i32[n: 2 * n]
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.groups: dict[int, AdapterGroups] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    def _group_views(self, b: int) -> AdapterGroups:
+        """Adapter groups of bucket ``b`` as views of the int32 buffer."""
+        assert self.num_adapters is not None
+        n, gmax = self.buckets[-1], self.max_groups
+        g = min(b, self.num_adapters + 1)
+        base = 3 * n
+        return AdapterGroups(
+            token_adapter=self.token_adapter[:b],
+            sorted_rows=self._i32[2 * n: 2 * n + b],
+            group_start=self._i32[base: base + g],
+            group_size=self._i32[base + gmax: base + gmax + g],
+            group_adapter=self._i32[base + 2 * gmax: base + 2 * gmax + g],
+            num_adapters=self.num_adapters,
+        )
 
     def _batch(self, b: int) -> ForwardBatch:
         attn = AttentionMetadata(
@@ -81,8 +115,9 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
             if self.num_adapters is not None:
-                self.groups[b] = group_tokens(self.token_adapter[:b], self.num_adapters,
-                                              validate=False)
+                self.groups[b] = self._group_views(b)
+                self._stage_groups([-1] * b, b)
+                self._i32.copy_(self._h32)
             batch = self._batch(b)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -101,34 +136,48 @@ class DecodeGraphs:
                 return b
         return None
 
+    def _stage_groups(self, token_adapter: list[int], bucket: int) -> None:
+        assert self.num_adapters is not None
+        n, gmax = self.buckets[-1], self.max_groups
+        rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
+        h = self._h32.numpy()
+        h[n: n + bucket] = token_adapter
+        h[2 * n: 2 * n + bucket] = rows
+        g = len(start)
+        for i, values in enumerate((start, size, adapter)):
+            lo = 3 * n + i * gmax
+            h[lo: lo + g] = values
+
     def run(self, step: StepInputs) -> torch.Tensor:
         """Replay the decode graph for ``step`` (every sequence one token); logits [B, V]."""
-        b = step.num_seqs
-        bucket = self.bucket_for(b)
+        bucket = self.bucket_for(step.num_seqs)
         if bucket is None or bucket not in self.graphs:
-            raise ValueError(f"no decode graph for {b} sequences")
-        pad = bucket - b
-        dev = self.device
-        width = self.block_tables.shape[1]
-
-        def put(buf: torch.Tensor, values: list[int], fill: int, dtype: torch.dtype) -> None:
-            host = torch.tensor(values + [fill] * pad, dtype=dtype)
-            buf[:bucket].copy_(host, non_blocking=True)
-
-        put(self.input_ids, step.input_ids, 0, torch.int64)
-        put(self.positions, step.positions, 0, torch.int64)
-        put(self.slot_mapping, step.slot_mapping, -1, torch.int64)
-        put(self.seq_lens, step.seq_lens, 1, torch.int32)
-        put(self.token_adapter, step.token_adapter, -1, torch.int32)
-        tables = torch.zeros(bucket, width, dtype=torch.int32)
-        for i, row in enumerate(step.block_tables):
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        self.block_tables[:bucket].copy_(tables.to(dev, non_blocking=True))
-        if self.num_adapters is not None:
-            fresh = group_tokens(self.token_adapter[:bucket], self.num_adapters, validate=False)
-            static = self.groups[bucket]
-            for name in ("token_adapter", "sorted_rows", "group_start", "group_size",
-                         "group_adapter"):
-                getattr(static, name).copy_(getattr(fresh, name))
+            raise ValueError(f"no decode graph for {step.num_seqs} sequences")
+        self.stage(step, bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        return self.outputs[bucket][: step.num_seqs]
+
+    def stage(self, step: StepInputs, bucket: int) -> None:
+        """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers."""
+        b = step.num_seqs
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the host twins
+        pad = bucket - b
+        h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
+        h64[0, :bucket] = step.input_ids + [0] * pad
+        h64[1, :bucket] = step.positions + [0] * pad
+        h64[2, :bucket] = step.slot_mapping + [-1] * pad
+        h32[:bucket] = step.seq_lens + [1] * pad
+        width = max(len(row) for row in step.block_tables)
+        for i, row in enumerate(step.block_tables):
+            tables[i, : len(row)] = row
+        tables[b:bucket, 0] = 0  # padding rows: a one-token context on page 0
+        if self.num_adapters is not None:
+            self._stage_groups(step.token_adapter + [-1] * pad, bucket)
+        self._i64[:, :bucket].copy_(self._h64[:, :bucket], non_blocking=True)
+        self._i32.copy_(self._h32, non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],
+                                                 non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()

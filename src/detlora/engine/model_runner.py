@@ -76,8 +76,9 @@ class ModelRunner:
 
         width = max(len(row) for row in step.block_tables)
         tables = torch.zeros(step.num_seqs, width, dtype=torch.int32)
+        rows = tables.numpy()
         for i, row in enumerate(step.block_tables):
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            rows[i, : len(row)] = row
         attn = AttentionMetadata(
             slot_mapping=t(step.slot_mapping, torch.int64),
             block_tables=tables.to(dev, non_blocking=True),

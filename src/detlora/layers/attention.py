@@ -91,12 +91,12 @@ class Attention(nn.Module):
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.contiguous().view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # strided rows: write_kv takes them
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
                                                                self.head_dim)
-        q, k = self.rotary(q.contiguous(), k.contiguous(), positions)
+        q, k = self.rotary(q, k, positions)  # reads strided rows, writes contiguous q and k
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
         o = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,

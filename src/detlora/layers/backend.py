@@ -32,7 +32,6 @@ import torch
 
 from detlora.config import DEFAULT_LORA_REDUCTION, Determinism, LoRAReduction
 from detlora.ops._runtime import interpreting
-from detlora.ops.adapter_groups import AdapterGroups
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class OpBackend:
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     # (x, lora_a, groups, scale) -> fp32 [S, M, R]; the reduction and workspace are bound.
-    lora_shrink: Callable[[torch.Tensor, torch.Tensor, AdapterGroups, torch.Tensor], torch.Tensor]
+    lora_shrink: Callable[..., torch.Tensor]  # (x, lora_a, groups, scale, out=None)
     # (y, shrink_out, lora_b, groups, slice_offsets) -> y, updated in place.
     lora_expand: Callable[..., torch.Tensor]
     device: torch.device
@@ -162,8 +161,9 @@ def _reference_backend(
 
     ops = {op: getattr(_module(mod), ref) for op, (mod, ref, _) in _OPS.items()}
 
-    def shrink(x, lora_a, groups, scale):
-        return lora_shrink_ref(x, lora_a, groups.token_adapter, scale)
+    def shrink(x, lora_a, groups, scale, out=None):
+        h = lora_shrink_ref(x, lora_a, groups.token_adapter, scale)
+        return h if out is None else out.copy_(h)
 
     def expand(y, shrink_out, lora_b, groups, slice_offsets=None):
         return lora_expand_ref(y, shrink_out, lora_b, groups.token_adapter, slice_offsets)
@@ -241,8 +241,9 @@ def _kernel_backend(
     # One workspace per engine: scratch and counters allocated once, CUDA-graph safe.
     workspace = LoRAWorkspace(device, max_lora_rank or MAX_LORA_RANK)
 
-    def shrink(x, lora_a, groups, scale):
-        return lora_shrink(x, lora_a, groups, scale, reduction=reduction, workspace=workspace)
+    def shrink(x, lora_a, groups, scale, out=None):
+        return lora_shrink(x, lora_a, groups, scale, reduction=reduction, out=out,
+                           workspace=workspace)
 
     def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
         return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)

@@ -121,10 +121,10 @@ class LinearBase(nn.Module):
     # ---- compute ----
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
-        y = self.backend.linear(x, self.weight, self.bias)
-        if self.lora is not None and lora is not None:
-            self.lora.apply(x, y, lora, self.backend)
-        return y
+        if self.lora is None or lora is None:
+            return self.backend.linear(x, self.weight, self.bias)
+        return self.lora.around(x, lambda: self.backend.linear(x, self.weight, self.bias),
+                                lora, self.backend)
 
     def _check_slice(self, slice_index: int) -> None:
         if not 0 <= slice_index < len(self.output_sizes):

@@ -8,7 +8,7 @@ move or change shape, so a captured CUDA graph keeps valid pointers while adapte
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +127,45 @@ class LoRASlots(nn.Module):
         h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
         return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
 
+    def around(
+        self, x: torch.Tensor, base: Callable[[], torch.Tensor], groups: AdapterGroups,
+        backend: OpBackend,
+    ) -> torch.Tensor:
+        """``base()`` (the layer's x W^T) plus the LoRA term, as ``apply`` computes it.
+
+        On CUDA the shrink, which needs only x, runs on a side stream while ``base`` runs, and
+        the expand waits for both: the shrink leaves the critical path (in a CUDA graph the
+        fork and join become graph edges). Same kernels, same inputs, so the same bits; the
+        shrinks stay ordered among themselves on the one side stream, so their workspace is
+        never used by two kernels at once.
+        """
+        if x.device.type != "cuda":
+            return self.apply(x, base(), groups, backend)
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        # Allocated on the main stream, which reads it last: no cross-stream frees.
+        h = torch.empty(self.lora_a.shape[1], x.shape[0], self.lora_a.shape[2],
+                        dtype=torch.float32, device=x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=h)
+        y = base()
+        main.wait_stream(side)
+        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.config.max_loras:
             raise ValueError(f"slot {slot} is outside [0, {self.config.max_loras - 1}]")
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every LoRA shrink on ``device`` runs on (one per device)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream

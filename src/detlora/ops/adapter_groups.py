@@ -16,6 +16,7 @@ Semantics:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,33 @@ def group_tokens(
         group_adapter=(order - 1).to(torch.int32).contiguous(),
         num_adapters=num_adapters,
     )
+
+
+def group_tokens_host(
+    token_adapter: Sequence[int], num_adapters: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """:func:`group_tokens` on host ints, for inputs that start on the host (a decode step's
+    adapter slots): (sorted_rows, group_start, group_size, group_adapter), the same values."""
+    if not isinstance(num_adapters, int) or num_adapters < 1:
+        raise ValueError(f"num_adapters must be a positive int, got {num_adapters!r}")
+    if not token_adapter:
+        raise ValueError("token_adapter must have at least one row, got 0")
+    counts = [0] * (num_adapters + 1)
+    rows_of: list[list[int]] = [[] for _ in range(num_adapters + 1)]
+    for row, a in enumerate(token_adapter):
+        if not -1 <= a < num_adapters:
+            raise ValueError(
+                f"token_adapter holds adapter id {a}, outside [-1, {num_adapters - 1}] "
+                f"(-1 = no adapter, {num_adapters} adapter slots)"
+            )
+        counts[a + 1] += 1
+        rows_of[a + 1].append(row)
+    starts, total = [], 0
+    for c in counts:
+        starts.append(total)
+        total += c
+    order = [k for k, c in enumerate(counts) if c] + [k for k, c in enumerate(counts) if not c]
+    order = order[: min(len(token_adapter), num_adapters + 1)]
+    sorted_rows = [r for rows in rows_of for r in rows]
+    return (sorted_rows, [starts[k] for k in order], [counts[k] for k in order],
+            [k - 1 for k in order])

@@ -1,0 +1,57 @@
+"""The decode graphs' static inputs: what a step stages equals the eager ForwardBatch, padded.
+
+Graph capture needs CUDA (tests/gpu replays the graphs); the staging runs anywhere.
+"""
+
+import torch
+
+from detlora.engine.cuda_graphs import DecodeGraphs
+from detlora.engine.step_inputs import StepInputs
+from detlora.ops.adapter_groups import group_tokens
+
+
+def _step(tables: list[list[int]], adapters: list[int]) -> StepInputs:
+    b = len(tables)
+    seq_lens = [5 + 7 * i for i in range(b)]
+    return StepInputs(
+        input_ids=[100 + i for i in range(b)], positions=[s - 1 for s in seq_lens],
+        slot_mapping=[t[-1] * 16 + (s - 1) % 16 for t, s in zip(tables, seq_lens, strict=True)],
+        token_adapter=adapters, block_tables=tables, seq_lens=seq_lens,
+        query_start_loc=list(range(b + 1)), logits_indices=list(range(b)),
+    )
+
+
+def _graphs(num_adapters: int | None) -> DecodeGraphs:
+    return DecodeGraphs(lambda batch: batch.input_ids, device=torch.device("cpu"),
+                        max_num_seqs=20, max_blocks_per_seq=9, max_model_len=36,
+                        num_adapters=num_adapters)
+
+
+def test_staged_inputs_are_the_step_padded_to_its_bucket():
+    g = _graphs(num_adapters=3)
+    # A wide step first, then a narrower one: stale table columns must not matter, and
+    # every padded row must be a harmless one-token context with no adapter.
+    g.stage(_step([[7, 8, 9, 1, 2, 3, 4]] * 9, [0] * 9), 16)
+    step = _step([[3, 1], [5], [2, 6, 4], [9]], [2, -1, 2, 0])
+    bucket = g.bucket_for(step.num_seqs)
+    assert bucket == 4
+    g.stage(step, 8)  # a larger bucket than needed: four padding rows
+    assert g.input_ids[:8].tolist() == step.input_ids + [0] * 4
+    assert g.positions[:8].tolist() == step.positions + [0] * 4
+    assert g.slot_mapping[:8].tolist() == step.slot_mapping + [-1] * 4
+    assert g.seq_lens[:8].tolist() == step.seq_lens + [1] * 4
+    for i, row in enumerate(step.block_tables):
+        assert g.block_tables[i, : len(row)].tolist() == row
+    assert g.block_tables[4:8, 0].tolist() == [0] * 4
+    views = g._group_views(8)
+    ref = group_tokens(torch.tensor(step.token_adapter + [-1] * 4, dtype=torch.int32), 3)
+    for name in ("token_adapter", "sorted_rows", "group_start", "group_size", "group_adapter"):
+        assert torch.equal(getattr(views, name), getattr(ref, name)), name
+
+
+def test_staging_without_lora_touches_no_groups():
+    g = _graphs(num_adapters=None)
+    step = _step([[1], [2, 3]], [-1, -1])
+    g.stage(step, 2)
+    assert g.input_ids[:2].tolist() == step.input_ids
+    assert g.seq_lens[:2].tolist() == step.seq_lens
