@@ -108,6 +108,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,  # a grid hint of the kernels; no meaning here
 ) -> torch.Tensor:
     """Same semantics as ``detlora.ops.paged_attention.paged_attention_ref``."""
     # Imported here: that module defines Triton kernels, which the CPU engine never launches.

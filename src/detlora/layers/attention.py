@@ -100,7 +100,7 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
         o = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
-            attn.query_start_loc, self.scale,
+            attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
         )
         return self.o_proj(o.reshape(t, self.q_size), lora)
 

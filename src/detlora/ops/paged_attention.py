@@ -72,6 +72,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,  # a grid hint of the kernels; no meaning here
 ) -> torch.Tensor:
     hq, hk = q.shape[1], k_cache.shape[2]
     group = hq // hk

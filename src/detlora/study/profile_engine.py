@@ -88,6 +88,22 @@ def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[
     return rows[:top]
 
 
+def _host_profile(fn: Callable[[], Any], top: int = 30) -> list[str]:
+    """cProfile of one call (host time per function, sorted by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-top:]
+
+
 def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                   log: Callable[[str], None]) -> list[dict[str, Any]]:
     import detlora.engine.llm_engine as le
@@ -133,6 +149,10 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                 with torch.inference_mode():
                     row["eager_forward_us"] = round(
                         _event_us(lambda batch=batch: eng.model(batch)), 1)
+                    if b == batches[0]:
+                        row["eager_host_top"] = _host_profile(lambda batch=batch: eng.model(batch))
+                        for line in row["eager_host_top"][:20]:
+                            log(f"  h {line}")
             logits = torch.randn(b, eng.spec.vocab_size, device="cuda") * 3
             reqs = [eng._sample_request(s) for s in _fake_seqs(w, b)]
 
