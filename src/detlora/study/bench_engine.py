@@ -365,7 +365,8 @@ def _hf_peft(model_dir: Path, adapter: Path, w: _Workload,
 
 
 def run(log: Callable[[str], None] = print, quick: bool = False,
-        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        modes: Sequence[str] = MODES, hf: bool = True) -> dict[str, Any]:
     """The engine study; ``checkpoint`` receives the partial results after every stage, so a
     run cut short by a time limit still leaves what it measured."""
     if not torch.cuda.is_available():
@@ -392,7 +393,7 @@ def run(log: Callable[[str], None] = print, quick: bool = False,
             f"{roofline['batch1_tpot_floor_ms']:.3f} ms")
         w = _Workload(plan, loras)
         engines: dict[str, Any] = {}
-        for mode in MODES:
+        for mode in modes:
             t0 = time.perf_counter()
             llm = _engine(root / "model", mode, plan)
             engines[mode] = {"init_s": time.perf_counter() - t0,
@@ -415,9 +416,10 @@ def run(log: Callable[[str], None] = print, quick: bool = False,
             if checkpoint is not None:
                 checkpoint({"meta": {"engines": engines, "partial": True}, "roofline": roofline,
                             "throughput": throughput, "determinism": determinism})
-        hf_rows, hf_det = _hf_peft(root / "model", root / "adapter0", w, log)
-        throughput += hf_rows
-        determinism += hf_det
+        if hf:
+            hf_rows, hf_det = _hf_peft(root / "model", root / "adapter0", w, log)
+            throughput += hf_rows
+            determinism += hf_det
     meta = {"model": {"shape": "Llama-3.2-3B", **asdict(s), "dtype": "bfloat16",
                       "weights": "random", "tied_embeddings": True},
             "plan": {k: v for k, v in asdict(plan).items() if k != "shape"},
@@ -431,7 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="determinism levels to run (comma-separated)")
+    parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face + PEFT")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",") if args.modes else []
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.bench_engine", *(argv or sys.argv[1:])])
@@ -441,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         partial["meta"] = {**results_meta(command), **partial["meta"]}
         Path(args.out).with_suffix(".partial.json").write_text(json.dumps(partial, indent=1))
 
-    result = run(quick=args.quick, checkpoint=checkpoint)
+    result = run(quick=args.quick, checkpoint=checkpoint, modes=modes, hf=not args.no_hf)
     result["meta"] = {**results_meta(command), **result["meta"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
