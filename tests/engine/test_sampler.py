@@ -1,4 +1,9 @@
-"""The sampler alone: greedy ties, seeded draws independent of the batch, filters, logprobs."""
+"""The sampler alone: greedy ties, seeded draws independent of the batch, filters, logprobs,
+and the same bits as the previous all-torch sampler (references and interpreted kernels)."""
+
+import random
+import subprocess
+import sys
 
 import torch
 
@@ -11,12 +16,13 @@ from detlora.engine.sampler import (
     row_keys,
     uniform_noise,
 )
+from detlora.ops import sampling as sp
 from detlora.ops.reductions import argmax_ref
 from detlora.ops.softmax import log_softmax_ref
 
 
-def sampler() -> Sampler:
-    return Sampler(argmax_ref, log_softmax_ref)
+def sampler(**kwargs) -> Sampler:
+    return Sampler(argmax_ref, log_softmax_ref, **kwargs)
 
 
 def test_greedy_ties_go_to_the_lowest_token_id():
@@ -101,3 +107,104 @@ def test_banned_tokens_are_never_chosen_and_default_seeds_differ():
     assert sampler()(logits, [req])[0].token_id == 2
     assert derive_seed(0, 0) != derive_seed(0, 1) and derive_seed(0, 1) == derive_seed(0, 1)
     assert 0 <= derive_seed(5, 9) < 2**64
+
+
+def _previous_sampler(logits, requests):
+    """The sampler before the sampling ops, all torch: (token, logprobs) per row."""
+    logits = logits.float()
+    banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
+    if banned:
+        logits = logits.clone()
+        rows, cols = zip(*banned, strict=True)
+        logits[list(rows), list(cols)] = float("-inf")
+    n, vocab = logits.shape
+    tokens = torch.empty(n, dtype=torch.int64)
+    processed = logits
+    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if greedy:
+        tokens[greedy] = argmax_ref(logits[greedy])
+    if sampled:
+        reqs = [requests[i] for i in sampled]
+        x = logits[sampled] / torch.tensor([r.params.temperature for r in reqs])[:, None]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+            rank_keep = torch.arange(vocab)[None, :] < torch.tensor(top_k)[:, None]
+            if any(p < 1.0 for p in top_p):
+                sorted_x = x.gather(1, order).masked_fill(~rank_keep, float("-inf"))
+                mass = torch.floor(torch.exp(log_softmax_ref(sorted_x)).double() * 2**40).long()
+                limit = torch.tensor([int(p * 2**40) if p < 1.0 else 1 << 62 for p in top_p])
+                rank_keep &= (torch.cumsum(mass, -1) - mass) < limit[:, None]
+                rank_keep[:, 0] = True
+            keep = torch.zeros_like(rank_keep).scatter(1, order, rank_keep)
+            x = x.masked_fill(~keep, float("-inf"))
+        keys = torch.tensor([row_keys(r.seed, r.position) for r in reqs])
+        noise = sp.gumbel_noise(keys, sp.token_hash(vocab))
+        tokens[sampled] = torch.argmax(x.double() + noise, dim=-1)
+        processed = logits.clone()
+        processed[sampled] = x
+    out = []
+    for i, r in enumerate(requests):
+        k = r.params.logprobs
+        if k is None:
+            out.append((tokens[i].item(), None))
+            continue
+        lp = log_softmax_ref(processed[i : i + 1])[0]
+        entry = {tokens[i].item(): lp[tokens[i]].item()}
+        vals, ids = torch.sort(lp, descending=True, stable=True)
+        for tid, val in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
+            entry.setdefault(tid, val)
+        out.append((tokens[i].item(), entry))
+    return out
+
+
+def _random_batch(rng, vocab, n):
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(rng.randrange(1000)))
+    if rng.random() < 0.3:
+        logits = (logits * 2).round()  # many exact ties
+    reqs = []
+    for _ in range(n):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 0.8, 1.0, 1.7]),
+            top_k=rng.choice([-1, 0, 1, 5, vocab, vocab + 3]),
+            top_p=rng.choice([1.0, 1.0, 0.95, 0.5, 1e-9]),
+            logprobs=rng.choice([None, 0, 1, 3]),
+        )
+        banned = tuple(rng.sample(range(vocab), rng.choice([0, 0, 1, 3])))
+        reqs.append(SampleRequest(params, seed=rng.getrandbits(64),
+                                  position=rng.randrange(10**6), banned_token_ids=banned))
+    return logits, reqs
+
+
+def _as_tuples(results):
+    return [(r.token_id, r.logprobs, list(r.logprobs or ())) for r in results]
+
+
+def test_same_tokens_and_logprobs_as_the_previous_sampler():
+    rng = random.Random(0)
+    s = sampler()
+    for _ in range(60):
+        logits, reqs = _random_batch(rng, rng.choice([7, 50, 300]), rng.choice([1, 2, 5, 9]))
+        if rng.random() < 0.2:
+            logits = logits.bfloat16()
+        before = logits.clone()
+        want = [(t, lp, list(lp or ())) for t, lp in _previous_sampler(logits, reqs)]
+        assert _as_tuples(s(logits, reqs)) == want
+        assert torch.equal(logits, before)  # banned tokens are masked on a copy
+
+
+def test_kernels_give_the_same_results_as_the_references():
+    # Sampling ops through the interpreted Triton kernels (the CUDA path) vs their references.
+    rng = random.Random(1)
+    kernels, refs = sampler(kernels=True), sampler(kernels=False)
+    for _ in range(12):
+        logits, reqs = _random_batch(rng, rng.choice([7, 300, 1100]), rng.choice([1, 3]))
+        assert _as_tuples(kernels(logits, reqs)) == _as_tuples(refs(logits, reqs))
+
+
+def test_importing_the_engine_does_not_load_triton():
+    # TRITON_INTERPRET must be settable after `import detlora...`: kernels load on first use.
+    code = "import sys, detlora.engine.llm_engine; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

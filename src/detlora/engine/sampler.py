@@ -5,27 +5,46 @@ parameters, seed and position, never on which other rows share the step:
 
 * greedy (temperature 0): argmax, ties to the lowest token id;
 * otherwise: logits / temperature, then top-k and top-p filters, then Gumbel-max: the token
-  maximising ``logit + g`` with ``g = -log(-log(u))``. ``u`` comes from a counter-based hash
-  of (seed, position, token id) computed with integer tensor ops (identical on CPU and GPU),
-  so a draw depends on nothing but those three numbers;
+  maximising ``logit + g`` (in float64) with ``g = -log(-log(u))``. ``u`` comes from a
+  counter-based hash of (seed, position, token id) in 32-bit integer arithmetic (identical on
+  CPU and GPU), so a draw depends on nothing but those three numbers. The hash and the
+  Gumbel-max are ``detlora.ops.sampling``: its torch reference on the CPU, its Triton kernel
+  on CUDA (the same bits);
 * top-k keeps the k best ranks of a stable descending sort (ties: lower token id first);
   top-p keeps the shortest prefix of that order whose probability reaches ``top_p``, with the
   running sum taken in 2^-40 fixed point: integer sums do not depend on the scan order;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
+
+Per call, the per-row parameters (row indices, keys, temperatures, top-k, top-p limits, banned
+tokens) go to the device in one copy, and the results come back in one read.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from detlora.config import SamplingParams
 
-_MASK32 = 0xFFFFFFFF
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
+_NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
+# Moved to detlora.ops.sampling; still importable from here (see __getattr__).
+_OPS_NAMES = ("_MASK32", "_mul32", "_mix32", "gumbel_noise", "token_hash", "uniform_noise")
+
+
+def __getattr__(name: str) -> Any:
+    # detlora.ops.sampling loads Triton, which must not happen when the engine is imported
+    # (TRITON_INTERPRET is read when a kernel is defined): it is imported on first use.
+    if name in _OPS_NAMES:
+        from detlora.ops import sampling
+
+        return getattr(sampling, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -50,64 +69,95 @@ def derive_seed(engine_seed: int, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
-    """(x * c) mod 2^32 for x in [0, 2^32), with no int64 overflow (16-bit halves of c)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
-    """A 32-bit avalanche mix (xorshift-multiply, lowbias32 constants) on values < 2^32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def _row_keys(mix: Callable[[int], int], seed: int, position: int) -> tuple[int, int]:
+    k = mix((seed & 0xFFFFFFFF) ^ 0x9E3779B9)
+    k = mix(k ^ ((seed >> 32) & 0xFFFFFFFF))
+    k1 = mix(k ^ (position & 0xFFFFFFFF))
+    return k1, mix(k1 ^ 0x85EBCA6B)
 
 
 def row_keys(seed: int, position: int) -> tuple[int, int]:
     """Two 32-bit keys for one (seed, position): the row's two hash streams."""
-    k = _mix32((seed & _MASK32) ^ 0x9E3779B9)
-    k = _mix32(k ^ ((seed >> 32) & _MASK32))
-    k1 = _mix32(k ^ (position & _MASK32))
-    k2 = _mix32(k1 ^ 0x85EBCA6B)
-    return int(k1), int(k2)
+    from detlora.ops.sampling import _mix32
+
+    return _row_keys(_mix32, seed, position)
 
 
-def uniform_noise(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
-    """u in (0, 1), float64 [N, V], from row keys [N, 2] int64 and token hashes [V] int64."""
-    h1 = _mix32(keys[:, :1] ^ token_hash[None, :])
-    h2 = _mix32(keys[:, 1:] ^ token_hash[None, :])
-    bits53 = (h1 << 21) | (h2 >> 11)
-    return (bits53.to(torch.float64) + 0.5) * (2.0**-53)
+def _rows(idx: list[int], n: int) -> slice | None:
+    """``idx`` (ascending, distinct) as a slice when it is one run of rows, else None."""
+    if idx and idx[-1] - idx[0] + 1 == len(idx):
+        return slice(idx[0], idx[-1] + 1) if len(idx) < n else slice(None)
+    return None
 
 
-def gumbel_noise(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(uniform_noise(keys, token_hash)))
+class _Upload:
+    """int64 values gathered on the host during a call, sent to the device in one copy."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def add(self, values: Sequence[int]) -> slice:
+        start = len(self.values)
+        self.values.extend(values)
+        return slice(start, len(self.values))
+
+    def rows(self, idx: list[int], n: int) -> slice | tuple[slice]:
+        """A slice of the rows, or (section,) to be resolved as an index tensor."""
+        run = _rows(idx, n)
+        return run if run is not None else (self.add(idx),)
+
+    def send(self, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.tensor(self.values, dtype=torch.int64)
+        # Pinned + non_blocking: the copy queues behind the forward pass instead of waiting
+        # for it, so the host keeps launching; the one sync is the read at the end.
+        host = torch.tensor(self.values, dtype=torch.int64, pin_memory=True)
+        return host.to(device, non_blocking=True)
+
+
+def _fp32_bits(values: Sequence[float]) -> list[int]:
+    """The fp32 bit patterns (as unsigned ints) of Python floats, rounded as torch rounds."""
+    return array.array("I", array.array("f", values).tobytes()).tolist()
 
 
 class Sampler:
     """Turns fp32 logits [N, V] into one token per row.
 
     ``argmax`` and ``log_softmax`` come from the op backend, so on the GPU they are the
-    batch-invariant kernels of the engine's determinism level.
+    batch-invariant kernels of the engine's determinism level. The Gumbel-max and the top-p
+    prefix are ``detlora.ops.sampling`` ops: with ``kernels=None`` its Triton kernels for CUDA
+    logits and its torch references otherwise (the interpreter is slow); ``kernels=True``
+    always takes the kernels (on the CPU that needs ``TRITON_INTERPRET=1``: tests), ``False``
+    never. Both give the same tokens (see ``detlora.ops.sampling`` on the float64 ``log``).
     """
 
     def __init__(
         self,
         argmax: Callable[[torch.Tensor], torch.Tensor],
         log_softmax: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        kernels: bool | None = None,
     ) -> None:
+        from detlora.ops import sampling  # here, not at import: it loads Triton
+
+        self._ops = sampling
+        self._kernels = kernels
         self._argmax = argmax
         self._log_softmax = log_softmax
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._ranks: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def token_hash(self, vocab: int, device: torch.device) -> torch.Tensor:
         key = (vocab, device)
         if key not in self._token_hash:
-            ids = torch.arange(vocab, dtype=torch.int64, device=device)
-            self._token_hash[key] = _mix32(_mix32(ids ^ 0x27D4EB2F) ^ 0x165667B1)
+            self._token_hash[key] = self._ops.token_hash(vocab, device)
         return self._token_hash[key]
+
+    def _arange(self, vocab: int, device: torch.device) -> torch.Tensor:
+        key = (vocab, device)
+        if key not in self._ranks:
+            self._ranks[key] = torch.arange(vocab, device=device)
+        return self._ranks[key]
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
@@ -117,83 +167,146 @@ class Sampler:
                 f"logits must be [N, vocab] with N = {len(requests)} rows, "
                 f"got {tuple(logits.shape)}"
             )
-        logits = logits.float()
-        banned = [(i, t) for i, r in enumerate(requests) for t in r.banned_token_ids]
-        if banned:
-            logits = logits.clone()
-            rows, cols = zip(*banned, strict=True)
-            logits[list(rows), list(cols)] = float("-inf")
+        n, vocab = logits.shape
+        if n == 0:
+            return []
+        device = logits.device
+        kernels = logits.is_cuda if self._kernels is None else self._kernels
 
-        n = len(requests)
-        tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-        processed = logits
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if greedy:
-            g = torch.tensor(greedy, device=logits.device)
-            tokens[g] = self._argmax(logits[g]).to(torch.int64)
+        # ---- host: sort the rows and gather every per-row parameter for one upload.
+        greedy: list[int] = []
+        sampled: list[int] = []
+        want: list[int] = []
+        banned_rows: list[int] = []
+        banned_cols: list[int] = []
+        for i, r in enumerate(requests):
+            (greedy if r.params.greedy else sampled).append(i)
+            if r.params.logprobs is not None:
+                want.append(i)
+            if r.banned_token_ids:
+                banned_rows += [i] * len(r.banned_token_ids)
+                banned_cols += r.banned_token_ids
+        up = _Upload()
+        g_rows = up.rows(greedy, n) if greedy and sampled else slice(None)
+        s_rows = up.rows(sampled, n) if greedy and sampled else slice(None)
+        w_rows = up.rows(want, n) if want else slice(None)
+        if banned_rows:
+            banned_sec = up.add(banned_rows), up.add(banned_cols)
         if sampled:
-            s = torch.tensor(sampled, device=logits.device)
-            filtered = self._filter([requests[i] for i in sampled], logits[s])
-            keys = torch.tensor(
-                [row_keys(requests[i].seed, requests[i].position) for i in sampled],
-                dtype=torch.int64, device=logits.device,
-            )
-            noise = gumbel_noise(keys, self.token_hash(logits.shape[1], logits.device))
-            # Masked tokens stay -inf after adding finite noise, so they are never chosen.
-            tokens[s] = torch.argmax(filtered.double() + noise, dim=-1)
-            processed = logits.clone()
-            processed[s] = filtered
+            params = [requests[i].params for i in sampled]
+            mix = self._ops._mix32
+            keys_sec = up.add([k for i in sampled for k in _row_keys(
+                mix, requests[i].seed, requests[i].position)])
+            temp_sec = up.add(_fp32_bits([p.temperature for p in params]))
+            top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+            top_k_sec = up.add(top_k) if any(k < vocab for k in top_k) else None
+            limit_sec = None
+            if any(p.top_p < 1.0 for p in params):
+                # top_p = 1 keeps everything (rounding may sum the mass a hair past 1).
+                limit_sec = up.add([int(p.top_p * _FIXED_POINT) if p.top_p < 1.0 else _NO_LIMIT
+                                    for p in params])
+        dev = up.send(device) if up.values else None
 
-        token_list = tokens.tolist()
-        want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        def resolve(rows: slice | tuple[slice]) -> slice | torch.Tensor:
+            return rows if isinstance(rows, slice) else dev[rows[0]]
+
+        g_sel, s_sel, w_sel = resolve(g_rows), resolve(s_rows), resolve(w_rows)
+
+        # ---- device.
+        x = logits.float()  # no copy when already fp32
+        if banned_rows:
+            if x is logits:
+                x = x.clone()  # the caller's logits stay untouched
+            x[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
+        tokens = tok_g = tok_s = filtered = None
+        if greedy:
+            tok_g = self._argmax(x[g_sel]).to(torch.int64)
+        if sampled:
+            # Temperatures travel as fp32 bits in the low half of int64 slots (little-endian).
+            temps = dev[temp_sec].view(torch.float32)[::2]
+            top_k_t = dev[top_k_sec] if top_k_sec is not None else None
+            limit_t = dev[limit_sec] if limit_sec is not None else None
+            filtered = self._filter(x[s_sel], temps, top_k_t, limit_t, kernels)
+            keys = dev[keys_sec].view(-1, 2)
+            th = self.token_hash(vocab, device)
+            ops = self._ops
+            tok_s = (ops.gumbel_argmax if kernels else ops.gumbel_argmax_ref)(filtered, keys, th)
+        if tok_s is None:
+            tokens = tok_g
+        elif tok_g is None:
+            tokens = tok_s
+        else:
+            tokens = torch.empty(n, dtype=torch.int64, device=device)
+            tokens[g_sel] = tok_g
+            tokens[s_sel] = tok_s
+
+        if not want:
+            return [SampleResult(t, None) for t in tokens.tolist()]
+        if filtered is None:
+            processed = x
+        elif tok_g is None:
+            processed = filtered
+        else:
+            processed = x.clone() if x is logits else x  # x may be ours already
+            processed[s_sel] = filtered
+        lp = self._log_softmax(processed[w_sel]).float()
+        reads = [tokens, lp.gather(1, tokens[w_sel][:, None])]
+        top_n = max(requests[i].params.logprobs for i in want)
+        if top_n > 0:
+            # Stable descending sort: equal logprobs list the lower token id first.
+            top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+            reads += [top_vals[:, :top_n], top_ids[:, :top_n]]
+        # One read: token ids and fp32 logprobs are all exact in float64.
+        flat = torch.empty(sum(t.numel() for t in reads), dtype=torch.float64, device=device)
+        offset = 0
+        for t in reads:
+            flat[offset : offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+        values = flat.tolist()
+
+        token_list = [int(v) for v in values[:n]]
+        chosen = values[n : n + len(want)]
+        top = values[n + len(want) :]  # per wanted row: top_n values, then (after all) ids
+        ids_at = len(want) * top_n
         logprobs: dict[int, dict[int, float]] = {}
-        if want:
-            w = torch.tensor(want, device=logits.device)
-            lp = self._log_softmax(processed[w]).float()
-            chosen = lp.gather(1, tokens[w][:, None])[:, 0].tolist()
-            top_n = max(requests[i].params.logprobs for i in want)
-            top_ids = top_vals = None
-            if top_n > 0:
-                # Stable descending sort: equal logprobs list the lower token id first.
-                top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-                top_vals, top_ids = top_vals[:, :top_n].tolist(), top_ids[:, :top_n].tolist()
-            for j, i in enumerate(want):
-                entry = {token_list[i]: chosen[j]}
-                k = requests[i].params.logprobs
-                if top_ids is not None and top_vals is not None and k > 0:
-                    for tid, val in zip(top_ids[j][:k], top_vals[j][:k], strict=True):
-                        entry.setdefault(tid, val)
-                logprobs[i] = entry
+        for j, i in enumerate(want):
+            entry = {token_list[i]: chosen[j]}
+            for c in range(j * top_n, j * top_n + requests[i].params.logprobs):
+                entry.setdefault(int(top[ids_at + c]), top[c])
+            logprobs[i] = entry
         return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
 
-    def _filter(self, requests: Sequence[SampleRequest], logits: torch.Tensor) -> torch.Tensor:
-        """Temperature, then top-k and top-p: rows [n, V] fp32, dropped tokens at -inf."""
-        temps = torch.tensor(
-            [r.params.temperature for r in requests], dtype=torch.float32, device=logits.device
-        )
+    def _filter(
+        self,
+        logits: torch.Tensor,
+        temps: torch.Tensor,
+        top_k: torch.Tensor | None,
+        limit: torch.Tensor | None,
+        kernels: bool,
+    ) -> torch.Tensor:
+        """Temperature, then top-k and top-p: rows [n, V] fp32, dropped tokens at -inf.
+
+        ``top_k`` [n] (vocab = off) and ``limit`` [n] (top-p mass in 2^-40 units) are None
+        when no row uses that filter.
+        """
         x = logits / temps[:, None]
-        vocab = x.shape[1]
-        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
-        top_p = [r.params.top_p for r in requests]
-        if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        if top_k is None and limit is None:
             return x
-        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
-        rank_keep = torch.arange(vocab, device=x.device)[None, :] < torch.tensor(
-            top_k, device=x.device
-        )[:, None]
-        if any(p < 1.0 for p in top_p):
+        # The sorted values are x's elements in rank order (what x.gather(1, order) gives).
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+        rank_keep = None
+        if top_k is not None:
+            rank_keep = self._arange(x.shape[1], x.device)[None, :] < top_k[:, None]
+        if limit is not None:
+            if rank_keep is not None:
+                sorted_x = sorted_x.masked_fill(~rank_keep, float("-inf"))
             # Probabilities after top-k, in sorted order, summed in exact fixed point.
-            sorted_x = x.gather(1, order).masked_fill(~rank_keep, float("-inf"))
             probs = torch.exp(self._log_softmax(sorted_x).float()).double()
             mass = torch.floor(probs * _FIXED_POINT).to(torch.int64)
-            before = torch.cumsum(mass, dim=-1) - mass  # mass of the better-ranked tokens
-            # top_p = 1 keeps everything (rounding may sum the mass a hair past 1).
-            limit = torch.tensor(
-                [int(p * _FIXED_POINT) if p < 1.0 else 1 << 62 for p in top_p],
-                dtype=torch.int64, device=x.device,
-            )
-            rank_keep &= before < limit[:, None]
+            prefix_keep = self._ops.prefix_keep if kernels else self._ops.prefix_keep_ref
+            keep_p = prefix_keep(mass, limit)  # the mass of the better-ranked tokens < limit
+            rank_keep = keep_p if rank_keep is None else rank_keep.logical_and_(keep_p)
             rank_keep[:, 0] = True  # the best token always survives
-        keep = torch.zeros_like(rank_keep).scatter(1, order, rank_keep)
-        return x.masked_fill(~keep, float("-inf"))
+        # order is a permutation: scattering the masked sorted row back writes every token.
+        kept = sorted_x.masked_fill(~rank_keep, float("-inf"))
+        return torch.empty_like(x).scatter_(1, order, kept)

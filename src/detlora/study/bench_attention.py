@@ -269,6 +269,44 @@ def latency_rows(plan: AttentionBenchPlan, device: torch.device,
     return rows
 
 
+def tile_sweep(log: Callable[[str], None] = print) -> list[dict]:
+    """Decode latency of the batch-invariant kernel under other tile settings (warps, stages)
+    and KV segment lengths: tuning data for ``tile_config`` and ``KV_SEGMENT``. Each setting
+    gives different bits, so these are timings only."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    hq, hk, d = MODELS["llama3b"]
+    default = pa.tile_config
+    rows = []
+    for b, ctx in ((1, 1024), (1, 8192), (16, 8192), (64, 256), (64, 1024)):
+        calls = _decode_calls("split_kv", b, ctx, hq, hk, d, device)
+        ref = time_graph_us(calls, replays=10)
+        del calls
+        rows.append({"b": b, "ctx": ctx, "impl": "split_kv", "us": round(ref, 2)})
+        for (warps, stages), segment in itertools.product(
+                ((4, 3), (4, 2), (4, 4), (8, 2), (8, 3)), (512, 256)):
+            def cfg(head_dim: int, group: int, warps=warps, stages=stages) -> pa.TileConfig:
+                return pa.TileConfig(default(head_dim, group).block_m, warps, stages)
+
+            pa.tile_config = cfg
+            original = pa.KV_SEGMENT
+            pa.KV_SEGMENT = segment
+            try:
+                calls = _decode_calls("detlora", b, ctx, hq, hk, d, device)
+                us = time_graph_us(calls, replays=10)
+            except Exception as exc:  # a setting that does not fit is data
+                log(f"tiles b={b} ctx={ctx} w{warps} s{stages} seg{segment}: {exc!r}"[:300])
+                continue
+            finally:
+                pa.tile_config = default
+                pa.KV_SEGMENT = original
+                torch.cuda.empty_cache()
+            rows.append({"b": b, "ctx": ctx, "impl": "detlora", "warps": warps,
+                         "stages": stages, "segment": segment, "us": round(us, 2)})
+            log(f"tiles b={b:3d} ctx={ctx:5d} w{warps} s{stages} seg{segment}: {us:8.2f} us "
+                f"(split_kv {ref:.2f} us, ratio {ref / us:.2f})")
+    return rows
+
+
 # ----------------------------------------------------------------------------- entry point
 
 

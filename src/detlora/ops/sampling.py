@@ -1,0 +1,350 @@
+"""Sampling ops: Gumbel-max over hashed noise, and the top-p prefix of fixed-point masses.
+
+Semantics:
+    Noise (torch reference, int64 tensors holding 32-bit values, identical on CPU and GPU):
+        _mix32(x)            = lowbias32 avalanche of x in [0, 2^32) (xorshift-multiply,
+                               products mod 2^32 via ``_mul32``)
+        token_hash(V)        = _mix32(_mix32(arange(V) ^ 0x27D4EB2F) ^ 0x165667B1)  # int64 [V]
+        uniform_noise(k, th) = ((h1 << 21 | h2 >> 11).double() + 0.5) * 2^-53,
+                               h1 = _mix32(k[:, 0:1] ^ th), h2 = _mix32(k[:, 1:2] ^ th)
+                               # float64 [N, V] in (0, 1): 53 hashed bits
+        gumbel_noise(k, th)  = -log(-log(uniform_noise(k, th)))               # float64 [N, V]
+
+    x: fp32 [N, V] (may hold -inf), keys: int64 [N, 2] (two 32-bit row keys, values in
+    [0, 2^32)), token_hash: int64 [V] (values in [0, 2^32)):
+        gumbel_argmax(x, keys, token_hash)
+            = torch.argmax(x.double() + gumbel_noise(keys, token_hash), dim=-1)  # int64 [N]
+        The Gumbel-max draw; among equal maxima the lowest index, a NaN counts as the largest
+        value (torch.argmax's conventions). Each row depends on its own inputs alone.
+
+    mass: int64 [N, V] (non-negative, each row's total <= 2^41), limit: int64 [N]:
+        prefix_keep(mass, limit) = (torch.cumsum(mass, -1) - mass) < limit[:, None]  # bool
+        Which entries start before ``limit``: the mass of the entries before them is below it.
+        Integer sums are exact, so any summation order gives these bits.
+
+Kernels:
+    gumbel_argmax: the row is cut into fixed chunks (1024 tokens; several 1024-token blocks
+    each once V would need more than 1024 chunks: a function of V alone). One program per
+    (row, chunk) hashes its tokens with uint32 arithmetic (a uint32 product is the product mod
+    2^32 that ``_mul32`` emulates; shifts are logical), builds the same 53-bit uniform, takes
+    -log(-log(u)) in float64, adds x as float64 and keeps the chunk's (max, lowest index). A
+    second launch merges each row's chunks in chunk order (none when there is one chunk). Max
+    and min are exact, so nothing depends on an order or on N; a decode step (N = 1,
+    V = 128k) gets 126 CTAs. ``gumbel_scores`` returns the float64 scores the kernel maximises,
+    to compare their bits with the reference.
+    prefix_keep: one program per row walks it in blocks of BLOCK (<= 4096) with ``tl.cumsum``
+    plus the running total of the blocks before.
+
+Devices: the uniform's bits never depend on the device; the float64 ``log``'s may. On CUDA the
+kernel's ``tl.log`` is libdevice's ``__nv_log``, the implementation behind CUDA's
+``log(double)`` that torch's kernel calls. In the interpreter it is numpy's, which differs from
+torch's CPU ``log`` in the last bit of ~0.3% of values: a token can then differ only when two
+scores tie to within that ulp, and the engine takes the torch reference on the CPU anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from detlora.ops._runtime import cdiv, next_power_of_2
+from detlora.ops.checks import check_same_device, check_shape, check_tensor
+
+_MASK32 = 0xFFFFFFFF
+_GUMBEL_BLOCK = 1024  # elements hashed per loop step of a gumbel_argmax program
+_GUMBEL_MAX_CHUNKS = 1024  # chunks per row merged in one register tile
+_PREFIX_BLOCK = 4096  # elements per tl.cumsum of prefix_keep
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _mul32(x: torch.Tensor | int, c: int) -> torch.Tensor | int:
+    """(x * c) mod 2^32 for x in [0, 2^32), with no int64 overflow (16-bit halves of c)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit avalanche mix (xorshift-multiply, lowbias32 constants) on values < 2^32."""
+    if isinstance(x, int):  # Python ints do not overflow: the same bits, 3x faster (row keys)
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & _MASK32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & _MASK32
+        return x ^ (x >> 16)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def token_hash(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32-bit hash of every token id: int64 [vocab], values in [0, 2^32)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    return _mix32(_mix32(ids ^ 0x27D4EB2F) ^ 0x165667B1)
+
+
+def uniform_noise(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), float64 [N, V], from row keys [N, 2] int64 and token hashes [V] int64."""
+    h1 = _mix32(keys[:, :1] ^ token_hash[None, :])
+    h2 = _mix32(keys[:, 1:] ^ token_hash[None, :])
+    bits53 = (h1 << 21) | (h2 >> 11)
+    return (bits53.to(torch.float64) + 0.5) * (2.0**-53)
+
+
+def gumbel_noise(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(keys, token_hash)))
+
+
+def gumbel_argmax_ref(
+    x: torch.Tensor, keys: torch.Tensor, token_hash: torch.Tensor
+) -> torch.Tensor:
+    # Masked tokens stay -inf after adding finite noise, so they are never chosen.
+    return torch.argmax(x.double() + gumbel_noise(keys, token_hash), dim=-1)
+
+
+def prefix_keep_ref(mass: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    return (torch.cumsum(mass, dim=-1) - mass) < limit[:, None]
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _mix32_u32(x):
+    """``_mix32`` on uint32: products wrap mod 2^32 and shifts are logical."""
+    x = x ^ (x >> 16)
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _max_first_index(v, idx, ok, BIG: tl.constexpr):
+    """(max, lowest index of the max) of a vector; a NaN counts as the largest value.
+
+    Entries where ``ok`` is false are ignored; the index of an empty vector is BIG.
+    """
+    is_nan = v != v
+    first_nan = tl.min(tl.where(is_nan & ok, idx, BIG), axis=0)
+    finite = tl.where(is_nan | ~ok, float("-inf"), v)
+    best = tl.max(finite, axis=0)
+    first_best = tl.min(tl.where((finite == best) & ok, idx, BIG), axis=0)
+    has_nan = first_nan < BIG
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    x_ptr,
+    keys_ptr,
+    hash_ptr,
+    out_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    scores_ptr,
+    stride_x,
+    stride_keys,
+    V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    WRITE_SCORES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    # int64 -> uint32 keeps the low 32 bits, which are the whole key.
+    k1 = tl.load(keys_ptr + row * stride_keys).to(tl.uint32)
+    k2 = tl.load(keys_ptr + row * stride_keys + 1).to(tl.uint32)
+    for b in tl.static_range(BLOCKS_PER_CHUNK):  # unrolled: b == 0 is known when compiling
+        o = (chunk * BLOCKS_PER_CHUNK + b) * BLOCK + tl.arange(0, BLOCK)
+        ok = o < V
+        th = tl.load(hash_ptr + o, mask=ok, other=0).to(tl.uint32)
+        h1 = _mix32_u32(k1 ^ th)
+        h2 = _mix32_u32(k2 ^ th)
+        bits53 = (h1.to(tl.uint64) << 21) | (h2 >> 11).to(tl.uint64)  # < 2^53: exact in fp64
+        u = (bits53.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2^-53
+        g = -tl.log(-tl.log(u))
+        x = tl.load(x_ptr + row * stride_x + o, mask=ok, other=float("-inf"))
+        v = x.to(tl.float64) + g
+        if WRITE_SCORES:  # the bits being maximised, for gumbel_scores (tests only)
+            tl.store(scores_ptr + row * V + o, v, mask=ok)
+        m, i = _max_first_index(v, o, ok, V)
+        if b == 0:
+            best, best_idx = m, i
+        else:
+            # Later blocks hold higher indices: they win only strictly, or with a first NaN.
+            take = (m > best) | ((m != m) & (best == best))
+            best = tl.where(take, m, best)
+            best_idx = tl.where(take, i, best_idx)
+    if NUM_CHUNKS == 1:
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+    else:
+        tl.store(part_val_ptr + row * NUM_CHUNKS + chunk, best)
+        tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, best_idx)
+
+
+@triton.jit
+def _gumbel_merge_kernel(
+    part_val_ptr,
+    part_idx_ptr,
+    out_ptr,
+    V: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_P2)
+    ok = c < NUM_CHUNKS
+    v = tl.load(part_val_ptr + row * NUM_CHUNKS + c, mask=ok, other=float("-inf"))
+    i = tl.load(part_idx_ptr + row * NUM_CHUNKS + c, mask=ok, other=V)
+    # Chunks hold increasing index ranges, so the lowest index among tied chunks is the
+    # lowest index of the row (and the first NaN chunk holds the row's first NaN).
+    _, index = _max_first_index(v, i, ok, V)
+    tl.store(out_ptr + row, index.to(tl.int64))
+
+
+@triton.jit
+def _prefix_keep_kernel(
+    mass_ptr,
+    limit_ptr,
+    out_ptr,
+    stride_mass,
+    stride_out,
+    V: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.load(limit_ptr + row)
+    offs = tl.arange(0, BLOCK)
+    before_block = tl.zeros([], dtype=tl.int64)  # mass of the blocks already walked
+    for b in range(NUM_BLOCKS):
+        o = b * BLOCK + offs
+        ok = o < V
+        m = tl.load(mass_ptr + row * stride_mass + o, mask=ok, other=0)
+        inclusive = tl.cumsum(m, axis=0) + before_block
+        tl.store(out_ptr + row * stride_out + o, (inclusive - m) < limit, mask=ok)
+        before_block += tl.sum(m, axis=0)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def gumbel_argmax_config(vocab: int) -> tuple[int, int, int, int]:
+    """(BLOCK, BLOCKS_PER_CHUNK, NUM_CHUNKS, num_warps) for rows of ``vocab``: a function of V.
+
+    A chunk is one block (1024 tokens) until the vocabulary needs more than
+    ``_GUMBEL_MAX_CHUNKS`` chunks; then each program walks several blocks.
+    """
+    block = min(next_power_of_2(vocab), _GUMBEL_BLOCK)
+    blocks_per_chunk = cdiv(cdiv(vocab, block), _GUMBEL_MAX_CHUNKS)
+    num_chunks = cdiv(vocab, block * blocks_per_chunk)
+    return block, blocks_per_chunk, num_chunks, min(4, max(1, block // 256))
+
+
+def _merge_num_warps(num_chunks: int) -> int:
+    # A power of 2, as Triton requires: from the padded chunk count, not the count itself.
+    return min(4, max(1, next_power_of_2(num_chunks) // 32))
+
+
+def _check_gumbel(x: object, keys: object, token_hash: object) -> torch.Tensor:
+    x = check_tensor("x", x, ndim=2, dtypes=(torch.float32,), unit_last_stride=True)
+    if x.shape[1] == 0:
+        raise ValueError(f"x must have at least one column, got {tuple(x.shape)}")
+    keys = check_tensor("keys", keys, ndim=2, dtypes=(torch.int64,), unit_last_stride=True)
+    check_shape("keys", keys, (x.shape[0], 2))
+    token_hash = check_tensor("token_hash", token_hash, ndim=1, dtypes=(torch.int64,),
+                              unit_last_stride=True)
+    check_shape("token_hash", token_hash, (x.shape[1],))
+    check_same_device(x=x, keys=keys, token_hash=token_hash)
+    return x
+
+
+def _launch_gumbel(x: torch.Tensor, keys: torch.Tensor, token_hash: torch.Tensor,
+                   scores: torch.Tensor | None) -> torch.Tensor:
+    n, vocab = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n == 0:
+        return out
+    block, blocks_per_chunk, num_chunks, num_warps = gumbel_argmax_config(vocab)
+    if num_chunks == 1:
+        part_val, part_idx = out, out  # unused
+    else:
+        part_val = torch.empty(n, num_chunks, dtype=torch.float64, device=x.device)
+        part_idx = torch.empty(n, num_chunks, dtype=torch.int32, device=x.device)
+    _gumbel_argmax_kernel[(n, num_chunks)](
+        x, keys, token_hash, out, part_val, part_idx, out if scores is None else scores,
+        x.stride(0), keys.stride(0), V=vocab, BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk,
+        NUM_CHUNKS=num_chunks, WRITE_SCORES=scores is not None, num_warps=num_warps,
+    )
+    if num_chunks > 1:
+        _gumbel_merge_kernel[(n,)](
+            part_val, part_idx, out, V=vocab, NUM_CHUNKS=num_chunks,
+            CHUNKS_P2=next_power_of_2(num_chunks), num_warps=_merge_num_warps(num_chunks),
+        )
+    return out
+
+
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max token of every row of ``x`` [N, V] fp32: int64 [N] (see the module doc).
+
+    ``keys`` int64 [N, 2] and ``token_hash`` int64 [V] must hold values in [0, 2^32); that is
+    not checked (it would sync the host): the kernel reads their low 32 bits.
+    """
+    return _launch_gumbel(_check_gumbel(x, keys, token_hash), keys, token_hash, None)
+
+
+def gumbel_scores(x: torch.Tensor, keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
+    """The float64 [N, V] scores ``gumbel_argmax`` maximises, as its kernel computes them.
+
+    For checking the kernel's bits against ``x.double() + gumbel_noise(keys, token_hash)``
+    (on CUDA they must be equal); the sampler never calls it.
+    """
+    x = _check_gumbel(x, keys, token_hash)
+    scores = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    _launch_gumbel(x, keys, token_hash, scores)
+    return scores
+
+
+def prefix_keep_config(vocab: int) -> tuple[int, int, int]:
+    """(BLOCK, NUM_BLOCKS, num_warps) for rows of ``vocab`` elements."""
+    block = min(next_power_of_2(vocab), _PREFIX_BLOCK)
+    return block, cdiv(vocab, block), min(8, max(1, block // 512))
+
+
+def prefix_keep(mass: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``(cumsum(mass, -1) - mass) < limit[:, None]``: bool [N, V] (see the module doc)."""
+    mass = check_tensor("mass", mass, ndim=2, dtypes=(torch.int64,), unit_last_stride=True)
+    n, vocab = mass.shape
+    limit = check_tensor("limit", limit, ndim=1, dtypes=(torch.int64,))
+    check_shape("limit", limit, (n,))
+    check_same_device(mass=mass, limit=limit)
+    out = torch.empty(n, vocab, dtype=torch.bool, device=mass.device)
+    if n == 0 or vocab == 0:
+        return out
+    limit = limit.contiguous()
+    block, num_blocks, num_warps = prefix_keep_config(vocab)
+    _prefix_keep_kernel[(n,)](
+        mass, limit, out, mass.stride(0), out.stride(0),
+        V=vocab, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps,
+    )
+    return out
+
+
+__all__ = [
+    "gumbel_argmax",
+    "gumbel_argmax_config",
+    "gumbel_argmax_ref",
+    "gumbel_noise",
+    "gumbel_scores",
+    "prefix_keep",
+    "prefix_keep_config",
+    "prefix_keep_ref",
+    "token_hash",
+    "uniform_noise",
+]
