@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from detlora.config import SamplingParams
@@ -208,3 +209,26 @@ def test_importing_the_engine_does_not_load_triton():
     # TRITON_INTERPRET must be settable after `import detlora...`: kernels load on first use.
     code = "import sys, detlora.engine.llm_engine; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 300, generator=g) * 4).to(torch.bfloat16).float()
+    logits[2, :3] = logits[2].max()  # a tie: the lowest id must win through the head too
+    s = sampler()
+    head = s.greedy_head(logits)
+    assert head.shape == (6, 2) and head.dtype == torch.float64
+    for logprobs in (None, 0):
+        reqs = [SampleRequest(SamplingParams(logprobs=logprobs), seed=k, position=9)
+                for k in range(6)]
+        assert s(logits, reqs, greedy=head) == s(logits, reqs)
+    # Rows the head cannot answer (sampled, banned tokens, top logprobs): the full path runs.
+    mixed = [SampleRequest(SamplingParams(logprobs=0), seed=0, position=9),
+             SampleRequest(SamplingParams(temperature=0.7, seed=3), seed=3, position=9),
+             SampleRequest(SamplingParams(logprobs=2), seed=0, position=9),
+             SampleRequest(SamplingParams(), seed=0, position=9, banned_token_ids=(1, 2)),
+             SampleRequest(SamplingParams(), seed=0, position=9),
+             SampleRequest(SamplingParams(), seed=0, position=9)]
+    assert s(logits, mixed, greedy=head) == s(logits, mixed)
+    with pytest.raises(ValueError, match=r"greedy must be \[6, 2\]"):
+        s(logits, [SampleRequest(SamplingParams(), seed=0, position=1)] * 6, greedy=head[:3])

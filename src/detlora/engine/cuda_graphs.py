@@ -35,7 +35,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[ForwardBatch], torch.Tensor],
+        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
         *,
         device: torch.device,
         max_num_seqs: int,
@@ -77,7 +77,7 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.groups: dict[int, AdapterGroups] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _group_views(self, b: int) -> AdapterGroups:
         """Adapter groups of bucket ``b`` as views of the int32 buffer."""
@@ -148,14 +148,15 @@ class DecodeGraphs:
             lo = 3 * n + i * gmax
             h[lo: lo + g] = values
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Replay the decode graph for ``step`` (every sequence one token); logits [B, V]."""
+    def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
+        """Replay the decode graph for ``step`` (every sequence one token); the forward's
+        outputs (row-major: one row per sequence), cut to the step's rows."""
         bucket = self.bucket_for(step.num_seqs)
         if bucket is None or bucket not in self.graphs:
             raise ValueError(f"no decode graph for {step.num_seqs} sequences")
         self.stage(step, bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][: step.num_seqs]
+        return tuple(t[: step.num_seqs] for t in self.outputs[bucket])
 
     def stage(self, step: StepInputs, bucket: int) -> None:
         """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers."""

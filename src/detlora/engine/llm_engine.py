@@ -130,8 +130,10 @@ class LLMEngine:
 
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
+        self.sampler = Sampler(backend.argmax, backend.log_softmax)
         self.runner = ModelRunner(
-            self.model, device=self.device, num_blocks=num_blocks, block_size=config.block_size,
+            self.model, greedy_head=self.sampler.greedy_head, device=self.device,
+            num_blocks=num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             num_adapters=config.max_loras if config.enable_lora else None,
             use_cuda_graphs=use_graphs,
@@ -143,7 +145,6 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else None,
         )
-        self.sampler = Sampler(backend.argmax, backend.log_softmax)
         eos = list(stop_token_ids_of(config.model))
         eos += [t for t in extra_eos_token_ids if t not in eos]
         self.eos_token_ids = tuple(eos)
@@ -270,15 +271,16 @@ class LLMEngine:
         if self.lora_manager is not None:
             slots = self.lora_manager.activate([s.lora for s in seqs])
         step = build_step_inputs(sched, slots, self.config.block_size)
-        logits = self.runner.execute(step, sched.is_decode_only)
+        out = self.runner.execute(step, sched.is_decode_only)
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
 
         sampling = [s.seq for s in sched.scheduled if s.samples]
         if not sampling:
             return []
-        assert logits is not None
-        results = self.sampler(logits, [self._sample_request(s) for s in sampling])
+        assert out is not None
+        results = self.sampler(out.logits, [self._sample_request(s) for s in sampling],
+                               greedy=out.greedy)
         finished: list[RequestOutput] = []
         for seq, result in zip(sampling, results, strict=True):
             seq.append_token(result.token_id, result.logprobs)

@@ -9,6 +9,8 @@ the graph of its padded batch size. It returns fp32 logits for the rows that sam
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +25,7 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         *,
+        greedy_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
         device: torch.device,
         num_blocks: int,
         block_size: int,
@@ -32,6 +35,7 @@ class ModelRunner:
         use_cuda_graphs: bool,
     ) -> None:
         self.model = model
+        self.greedy_head = greedy_head
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -48,7 +52,7 @@ class ModelRunner:
 
     def _capture(self, max_num_seqs: int) -> None:
         graphs = DecodeGraphs(
-            self.model.forward,
+            self._decode_forward,
             device=self.device,
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
@@ -67,6 +71,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             return
         self.graphs = graphs
+
+    def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """What a decode graph computes: fp32 logits, and the greedy head's [B, 2] when set
+        (row-wise, so a padded bucket gives every real row its own bits)."""
+        logits = self.model(batch).float()
+        if self.greedy_head is None:
+            return (logits,)
+        return logits, self.greedy_head(logits)
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         dev = self.device
@@ -100,12 +112,19 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs, decode_only: bool) -> torch.Tensor | None:
-        """Run one step; fp32 logits [len(step.logits_indices), V], or None if none sample."""
+    def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
+        """Run one step: fp32 logits [len(step.logits_indices), V] (and, from a decode graph,
+        the greedy head's [B, 2]), or None if no row samples."""
         if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
-            return self.graphs.run(step).float()
+            out = self.graphs.run(step)
+            return StepLogits(out[0], out[1] if len(out) > 1 else None)
         batch = self.forward_batch(step)
         if not step.logits_indices:
             self.model.hidden_states(batch)  # a prefill chunk: only the KV writes matter
             return None
-        return self.model(batch).float()
+        return StepLogits(self.model(batch).float(), None)
+
+
+class StepLogits(NamedTuple):
+    logits: torch.Tensor  # fp32 [N, V]
+    greedy: torch.Tensor | None  # float64 [N, 2] (Sampler.greedy_head), or None

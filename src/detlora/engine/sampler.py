@@ -159,9 +159,21 @@ class Sampler:
             self._ranks[key] = torch.arange(vocab, device=device)
         return self._ranks[key]
 
+    def greedy_head(self, logits: torch.Tensor) -> torch.Tensor:
+        """float64 [N, 2]: every row's greedy token id and its logprob, as ``__call__`` gives
+        them for a greedy row without banned tokens. Row-wise ops only, so it can run inside
+        a decode graph and be handed back to ``__call__`` as ``greedy``."""
+        x = logits.float()
+        tokens = self._argmax(x).to(torch.int64)
+        chosen = self._log_softmax(x).float().gather(1, tokens[:, None])[:, 0]
+        return torch.stack([tokens.double(), chosen.double()], dim=1)
+
     def __call__(
-        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest],
+        greedy: torch.Tensor | None = None,
     ) -> list[SampleResult]:
+        """One token per row. ``greedy`` (from ``greedy_head`` of these logits) answers a
+        batch whose rows are all greedy, without banned tokens or top logprobs, in one read."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [N, vocab] with N = {len(requests)} rows, "
@@ -170,6 +182,14 @@ class Sampler:
         n, vocab = logits.shape
         if n == 0:
             return []
+        if greedy is not None and all(
+            r.params.greedy and not r.banned_token_ids and not r.params.logprobs
+            for r in requests
+        ):
+            if tuple(greedy.shape) != (n, 2):
+                raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
+            return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp})
+                    for (t, lp), r in zip(greedy.tolist(), requests, strict=True)]
         device = logits.device
         kernels = logits.is_cuda if self._kernels is None else self._kernels
 

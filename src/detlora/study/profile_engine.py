@@ -122,7 +122,16 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
     eng.scheduler.schedule = clock.wrap("schedule", eng.scheduler.schedule)
     eng.runner.execute = clock.wrap("model", eng.runner.execute, sync=True)
     sampler = eng.sampler
-    eng.sampler = clock.wrap("sample", sampler, sync=True)
+    last_sample: dict[str, Any] = {}
+
+    def sample_and_keep(logits: torch.Tensor, reqs: Any, greedy: Any = None) -> Any:
+        last_sample.update(logits=logits, reqs=reqs, greedy=greedy)
+        return sampler(logits, reqs, greedy=greedy)
+
+    eng.sampler = clock.wrap("sample", sample_and_keep, sync=True)
+    graphs = eng.runner.graphs
+    if graphs is not None:
+        graphs.stage = clock.wrap("stage", graphs.stage)
     rows = []
     try:
         for b in batches:
@@ -160,11 +169,16 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                 return sampler(logits, reqs)
 
             row["sampler_us"] = round(_event_us(sample, reps=10), 1)
+            if last_sample:  # the engine's own last call (its logits and requests)
+                row["sampler_engine_call_us"] = round(_event_us(
+                    lambda: sampler(last_sample["logits"], last_sample["reqs"],
+                                    greedy=last_sample["greedy"]), reps=10), 1)
             row["sampler_kernels"] = _kernel_table(sample, steps=3, top=15)
             rows.append(row)
             log(f"{mode} batch {b}: total {row['total_ms']:.1f} ms over {row['steps']} steps "
                 f"{phases}; replay {row.get('replay_us')} us, eager "
-                f"{row.get('eager_forward_us')} us, sampler {row['sampler_us']} us")
+                f"{row.get('eager_forward_us')} us, sampler {row['sampler_us']} us "
+                f"(engine's call {row.get('sampler_engine_call_us')} us)")
             for k in row.get("kernels", [])[:25]:
                 log(f"    {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
                     f"{k['kernel']}")
