@@ -155,7 +155,7 @@ def matmul_config(
     ``k_split`` comes from (N, K, dtype) only; M, batch and ``num_sms`` pick tiles and path:
 
         bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32 when that gives
-                               too few CTAs), 4 warps, 5 stages
+                               too few CTAs), 4 warps, 4 stages (6 when S = 1)
         bf16/fp16, M > 64      persistent path, the tile of ``_PERSISTENT_TILES`` with the
                                least estimated time (128x256 only when S = 1); the split path
                                (64x128) when S > 1, M <= 512 and 128x128 tiles fill less than
@@ -176,7 +176,11 @@ def matmul_config(
         bn = 64
         while bn > 32 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms:
             bn //= 2
-        return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=5, split_ctas=True)
+        # Measured on the H200 (benchmarks/results/matmul_sweep_small_m.json): with a split,
+        # each CTA's chunk is short and 4 stages beat 5 by 3-11%; unsplit rows are long and 6
+        # stages are as fast or faster. Stages never change the bits.
+        return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=4 if multi else 6,
+                            split_ctas=True)
     # Many rows: persistent CTAs over the tile shape with the least estimated time (waves of
     # tiles times the tile's cost). S > 1 keeps a running total beside the accumulator, which
     # leaves registers for 128x128 at most.
