@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in one call on the GPU machine (no installs there:
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
-#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] ...
+#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,8 @@ for step in "${steps[@]}"; do
     ops) python3 -m detlora.study.bi_ops_bench --out "$OUT/batch_invariant_ops.json" \
            || status=1 ;;
     engine) python3 -m detlora.study.bench_engine --out "$OUT/engine.json" || status=1 ;;
+    profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
+               --out "$OUT/profile_engine.json" || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
