@@ -225,9 +225,9 @@ for vocab in json.loads(sys.argv[1]):
         out.append(build(sp._gumbel_argmax_kernel, dict(
             V=vocab, BLOCK=block, BLOCKS_PER_CHUNK=per_chunk, NUM_CHUNKS=chunks,
             WRITE_SCORES=scores), warps))
-    out.append(build(sp._gumbel_merge_kernel, dict(
-        V=vocab, NUM_CHUNKS=chunks, CHUNKS_P2=next_power_of_2(chunks)),
-        sp._merge_num_warps(chunks)))
+    out.append(build(sp.argmax_merge_kernel, dict(
+        N=vocab, NUM_CHUNKS=chunks, CHUNKS_P2=next_power_of_2(chunks)),
+        sp.merge_num_warps(chunks)))
     block, blocks, warps = sp.prefix_keep_config(vocab)
     out.append(build(sp._prefix_keep_kernel, dict(V=vocab, BLOCK=block, NUM_BLOCKS=blocks),
                      warps, ptrs | {"out_ptr": "*i1"}))

@@ -110,10 +110,11 @@ def _mean_kernel(x_ptr, y_ptr, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _max_and_first_index(v, idx, ok, BIG: tl.constexpr):
+def max_and_first_index(v, idx, ok, BIG: tl.constexpr):
     """(max, lowest index of the max) of a vector; a NaN counts as the largest value.
 
-    Returns the max as fp32 (NaN when there is one) and the index as int32.
+    Entries where ``ok`` is false are ignored; the index of an empty vector is BIG. The max
+    keeps v's dtype (NaN when there is one). Shared with ``detlora.ops.sampling``.
     """
     is_nan = v != v
     first_nan = tl.min(tl.where(is_nan & ok, idx, BIG), axis=0)
@@ -141,7 +142,7 @@ def _argmax_kernel(
     o = chunk * CHUNK + tl.arange(0, CHUNK)
     ok = o < N
     v = tl.load(x_ptr + row * stride_x + o, mask=ok, other=float("-inf")).to(tl.float32)
-    value, index = _max_and_first_index(v, o, ok, N)
+    value, index = max_and_first_index(v, o, ok, N)
     if NUM_CHUNKS == 1:
         tl.store(out_ptr + row * stride_out, index.to(tl.int64))
     else:
@@ -149,8 +150,14 @@ def _argmax_kernel(
         tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, index)
 
 
+def merge_num_warps(num_chunks: int) -> int:
+    """Warps of a chunk-merge launch: a power of 2, as Triton requires (from the padded count;
+    ``num_chunks // 32`` would give 3 for 96 to 127 chunks)."""
+    return min(4, max(1, next_power_of_2(num_chunks) // 32))
+
+
 @triton.jit
-def _argmax_merge_kernel(
+def argmax_merge_kernel(
     part_val_ptr,
     part_idx_ptr,
     out_ptr,
@@ -166,7 +173,7 @@ def _argmax_merge_kernel(
     i = tl.load(part_idx_ptr + row * NUM_CHUNKS + c, mask=ok, other=N)
     # Chunks hold increasing index ranges, so the lowest index among tied chunks is the
     # lowest index of the row.
-    _, index = _max_and_first_index(v, i, ok, N)
+    _, index = max_and_first_index(v, i, ok, N)
     tl.store(out_ptr + row * stride_out, index.to(tl.int64))
 
 
@@ -235,10 +242,10 @@ def argmax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         N=n, CHUNK=chunk, NUM_CHUNKS=num_chunks, num_warps=num_warps,
     )
     if num_chunks > 1:
-        _argmax_merge_kernel[(t,)](
+        argmax_merge_kernel[(t,)](
             part_val, part_idx, out, out.stride(0),
             N=n, NUM_CHUNKS=num_chunks, CHUNKS_P2=next_power_of_2(num_chunks),
-            num_warps=min(4, max(1, num_chunks // 32)),
+            num_warps=merge_num_warps(num_chunks),
         )
     return out
 

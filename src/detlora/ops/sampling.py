@@ -50,6 +50,7 @@ import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.reductions import argmax_merge_kernel, max_and_first_index, merge_num_warps
 
 _MASK32 = 0xFFFFFFFF
 _GUMBEL_BLOCK = 1024  # elements hashed per loop step of a gumbel_argmax program
@@ -124,21 +125,6 @@ def _mix32_u32(x):
 
 
 @triton.jit
-def _max_first_index(v, idx, ok, BIG: tl.constexpr):
-    """(max, lowest index of the max) of a vector; a NaN counts as the largest value.
-
-    Entries where ``ok`` is false are ignored; the index of an empty vector is BIG.
-    """
-    is_nan = v != v
-    first_nan = tl.min(tl.where(is_nan & ok, idx, BIG), axis=0)
-    finite = tl.where(is_nan | ~ok, float("-inf"), v)
-    best = tl.max(finite, axis=0)
-    first_best = tl.min(tl.where((finite == best) & ok, idx, BIG), axis=0)
-    has_nan = first_nan < BIG
-    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
-
-
-@triton.jit
 def _gumbel_argmax_kernel(
     x_ptr,
     keys_ptr,
@@ -173,7 +159,7 @@ def _gumbel_argmax_kernel(
         v = x.to(tl.float64) + g
         if WRITE_SCORES:  # the bits being maximised, for gumbel_scores (tests only)
             tl.store(scores_ptr + row * V + o, v, mask=ok)
-        m, i = _max_first_index(v, o, ok, V)
+        m, i = max_and_first_index(v, o, ok, V)
         if b == 0:
             best, best_idx = m, i
         else:
@@ -186,26 +172,6 @@ def _gumbel_argmax_kernel(
     else:
         tl.store(part_val_ptr + row * NUM_CHUNKS + chunk, best)
         tl.store(part_idx_ptr + row * NUM_CHUNKS + chunk, best_idx)
-
-
-@triton.jit
-def _gumbel_merge_kernel(
-    part_val_ptr,
-    part_idx_ptr,
-    out_ptr,
-    V: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, CHUNKS_P2)
-    ok = c < NUM_CHUNKS
-    v = tl.load(part_val_ptr + row * NUM_CHUNKS + c, mask=ok, other=float("-inf"))
-    i = tl.load(part_idx_ptr + row * NUM_CHUNKS + c, mask=ok, other=V)
-    # Chunks hold increasing index ranges, so the lowest index among tied chunks is the
-    # lowest index of the row (and the first NaN chunk holds the row's first NaN).
-    _, index = _max_first_index(v, i, ok, V)
-    tl.store(out_ptr + row, index.to(tl.int64))
 
 
 @triton.jit
@@ -247,11 +213,6 @@ def gumbel_argmax_config(vocab: int) -> tuple[int, int, int, int]:
     return block, blocks_per_chunk, num_chunks, min(4, max(1, block // 256))
 
 
-def _merge_num_warps(num_chunks: int) -> int:
-    # A power of 2, as Triton requires: from the padded chunk count, not the count itself.
-    return min(4, max(1, next_power_of_2(num_chunks) // 32))
-
-
 def _check_gumbel(x: object, keys: object, token_hash: object) -> torch.Tensor:
     x = check_tensor("x", x, ndim=2, dtypes=(torch.float32,), unit_last_stride=True)
     if x.shape[1] == 0:
@@ -283,9 +244,10 @@ def _launch_gumbel(x: torch.Tensor, keys: torch.Tensor, token_hash: torch.Tensor
         NUM_CHUNKS=num_chunks, WRITE_SCORES=scores is not None, num_warps=num_warps,
     )
     if num_chunks > 1:
-        _gumbel_merge_kernel[(n,)](
-            part_val, part_idx, out, V=vocab, NUM_CHUNKS=num_chunks,
-            CHUNKS_P2=next_power_of_2(num_chunks), num_warps=_merge_num_warps(num_chunks),
+        # The chunks' (fp64 max, index) pairs merge exactly as argmax's chunks do.
+        argmax_merge_kernel[(n,)](
+            part_val, part_idx, out, out.stride(0), N=vocab, NUM_CHUNKS=num_chunks,
+            CHUNKS_P2=next_power_of_2(num_chunks), num_warps=merge_num_warps(num_chunks),
         )
     return out
 
