@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from detlora.engine.copy_fence import CopyFence
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
@@ -64,7 +65,7 @@ class DecodeGraphs:
         self._h64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
         self._h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
         self._htables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
-        self._copied: torch.cuda.Event | None = None  # host twins are reusable once it fires
+        self._fence = CopyFence()  # the host twins are refilled only after their copies ran
         self._h64[2] = -1  # slot_mapping: padding rows write no KV
         self._h32[:n] = 1  # seq_lens: a one-token context
         self._h32[n: 2 * n] = -1  # token_adapter: no adapter
@@ -161,8 +162,7 @@ class DecodeGraphs:
     def stage(self, step: StepInputs, bucket: int) -> None:
         """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers."""
         b = step.num_seqs
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copies have read the host twins
+        self._fence.wait()
         pad = bucket - b
         h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
         h64[0, :bucket] = step.input_ids + [0] * pad
@@ -180,5 +180,4 @@ class DecodeGraphs:
         self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],
                                                  non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._fence.record()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from detlora.config import SamplingParams
+from detlora.engine.copy_fence import PinnedStaging
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
 _NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
@@ -106,36 +107,16 @@ class _Upload:
         run = _rows(idx, n)
         return run if run is not None else (self.add(idx),)
 
-    def send(self, device: torch.device, staging: _PinnedStaging) -> torch.Tensor:
+    def send(self, device: torch.device, staging: PinnedStaging) -> torch.Tensor:
         if device.type != "cuda":
             return torch.tensor(self.values, dtype=torch.int64)
         # Pinned + non_blocking: the copy queues behind the forward pass instead of waiting
         # for it, so the host keeps launching; the one sync is the read at the end.
         host = staging.take(len(self.values))
         host.numpy()[:] = self.values
-        return host.to(device, non_blocking=True)
-
-
-class _PinnedStaging:
-    """One pinned int64 host buffer reused by every call (a fresh pinned tensor per call can
-    cost a host allocation); a call waits for the previous call's copy before refilling it."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def take(self, numel: int) -> torch.Tensor:
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._buffer is None or self._buffer.numel() < numel:
-            self._buffer = torch.empty(max(4096, 2 * numel), dtype=torch.int64, pin_memory=True)
-        self._copied = torch.cuda.Event()
-        return self._buffer[:numel]
-
-    def sent(self) -> None:
-        """Mark the copy just queued: the buffer is free once it has run."""
-        if self._copied is not None:
-            self._copied.record()
+        dev = host.to(device, non_blocking=True)
+        staging.fence.record()
+        return dev
 
 
 def _fp32_bits(values: Sequence[float]) -> list[int]:
@@ -169,7 +150,7 @@ class Sampler:
         self._log_softmax = log_softmax
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._ranks: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._staging = _PinnedStaging()
+        self._staging = PinnedStaging()
 
     def token_hash(self, vocab: int, device: torch.device) -> torch.Tensor:
         key = (vocab, device)
@@ -249,11 +230,7 @@ class Sampler:
                 # top_p = 1 keeps everything (rounding may sum the mass a hair past 1).
                 limit_sec = up.add([int(p.top_p * _FIXED_POINT) if p.top_p < 1.0 else _NO_LIMIT
                                     for p in params])
-        dev = None
-        if up.values:
-            dev = up.send(device, self._staging)
-            if device.type == "cuda":
-                self._staging.sent()
+        dev = up.send(device, self._staging) if up.values else None
 
         def resolve(rows: slice | tuple[slice]) -> slice | torch.Tensor:
             return rows if isinstance(rows, slice) else dev[rows[0]]
