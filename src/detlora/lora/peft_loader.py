@@ -10,7 +10,6 @@ ValueError that names it, rather than silently computing something PEFT would no
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from detlora.json_files import read_json_object
 from detlora.lora.hashing import adapter_hash
 
 CONFIG_FILE = "adapter_config.json"
@@ -146,18 +146,7 @@ def load_peft_adapter(
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_dir():
-        raise FileNotFoundError(f"adapter directory {path} does not exist")
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} is missing: a PEFT adapter needs {CONFIG_FILE}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object")
-    return cfg
+    return read_json_object(path, CONFIG_FILE, "adapter", "a PEFT adapter")
 
 
 def _check_config(cfg: Mapping[str, Any], path: Path) -> None:

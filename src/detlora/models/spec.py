@@ -6,7 +6,6 @@ Reads both spellings transformers has used: ``rope_theta`` + ``rope_scaling`` (4
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -15,6 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from detlora.json_files import read_json_object
 
 # architecture -> HF model_type. Both are decoder-only, pre-norm, SwiGLU, neox rotary, GQA.
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
@@ -78,18 +79,8 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
         path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path} is missing: a model directory needs config.json")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{cfg_path} must hold a JSON object")
-        return cls.from_config(cfg, source=str(cfg_path))
+        cfg = read_json_object(path, "config.json", "model", "a model directory")
+        return cls.from_config(cfg, source=str(path / "config.json"))
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelSpec:
