@@ -27,3 +27,17 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def row_chunks(n: int, chunk_cap: int, max_chunks: int) -> tuple[int, int, int]:
+    """(CHUNK, NUM_CHUNKS, num_warps) for splitting rows of ``n`` elements into chunks of at
+    most ``chunk_cap`` (a power of 2): a function of n alone, so a row's reduction tree never
+    depends on the batch. ValueError when more than ``max_chunks`` chunks are needed."""
+    chunk = min(next_power_of_2(n), chunk_cap)
+    num_chunks = cdiv(n, chunk)
+    if num_chunks > max_chunks:
+        raise ValueError(
+            f"x rows of {n} elements need {num_chunks} chunks of {chunk}; "
+            f"at most {max_chunks} are supported"
+        )
+    return chunk, num_chunks, min(8, max(1, chunk // 512))

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.ops._runtime import cdiv, next_power_of_2
+from detlora.ops._runtime import cdiv, next_power_of_2, row_chunks
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -201,14 +201,7 @@ def mean_config(n: int) -> tuple[int, int, int]:
 
 def argmax_config(n: int) -> tuple[int, int, int]:
     """(CHUNK, NUM_CHUNKS, num_warps) for rows of ``n`` elements: a function of N only."""
-    chunk = min(next_power_of_2(n), _ARGMAX_CHUNK)
-    num_chunks = cdiv(n, chunk)
-    if num_chunks > _ARGMAX_MAX_CHUNKS:
-        raise ValueError(
-            f"x rows of {n} elements need {num_chunks} chunks of {chunk}; "
-            f"at most {_ARGMAX_MAX_CHUNKS} are supported"
-        )
-    return chunk, num_chunks, min(8, max(1, chunk // 512))
+    return row_chunks(n, _ARGMAX_CHUNK, _ARGMAX_MAX_CHUNKS)
 
 
 def mean(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.ops._runtime import cdiv, next_power_of_2
+from detlora.ops._runtime import next_power_of_2, row_chunks
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.reductions import canonical_out, canonical_rows, finish_out
 
@@ -107,14 +107,7 @@ def _log_softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane
 
 def softmax_config(vocab: int) -> tuple[int, int, int]:
     """(CHUNK, NUM_CHUNKS, num_warps) for rows of ``vocab`` elements: a function of V only."""
-    chunk = min(next_power_of_2(vocab), _CHUNK)
-    num_chunks = cdiv(vocab, chunk)
-    if num_chunks > _MAX_CHUNKS:
-        raise ValueError(
-            f"x rows of {vocab} elements need {num_chunks} chunks of {chunk}; "
-            f"at most {_MAX_CHUNKS} are supported"
-        )
-    return chunk, num_chunks, min(8, max(1, chunk // 512))
+    return row_chunks(vocab, _CHUNK, _MAX_CHUNKS)
 
 
 def _launch(kernel, x: object, out: torch.Tensor | None) -> torch.Tensor:
