@@ -3,6 +3,8 @@
 Graph capture needs CUDA (tests/gpu replays the graphs); the staging runs anywhere.
 """
 
+import dataclasses
+
 import torch
 
 from detlora.engine.cuda_graphs import DecodeGraphs
@@ -55,3 +57,14 @@ def test_staging_without_lora_touches_no_groups():
     g.stage(step, 2)
     assert g.input_ids[:2].tolist() == step.input_ids
     assert g.seq_lens[:2].tolist() == step.seq_lens
+
+
+def test_fed_rows_read_the_tokens_the_previous_step_left_on_the_device():
+    g = _graphs(num_adapters=None)
+    g.set_feed(torch.tensor([50.0, 51.0, 52.0, 53.0], dtype=torch.float64))  # greedy head ids
+    # Row 0 takes the previous step's row 2, row 2 its row 0; row 1 has its id on the host.
+    step = dataclasses.replace(_step([[1], [2], [3]], [-1] * 3), input_ids=[-3, 7, -1])
+    g.stage(step, 4)
+    assert g._batch(4).input_ids.tolist() == [52, 7, 50, 0]
+    g.stage(_step([[1], [2]], [-1] * 2), 2)  # an ordinary step: no row is fed
+    assert g._batch(2).input_ids.tolist() == [100, 101]

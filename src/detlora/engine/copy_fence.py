@@ -2,7 +2,7 @@
 
 A non-blocking copy from pinned memory runs later on the stream, so its host buffer may only
 be refilled once the copy has run. ``CopyFence`` records an event after the copies and waits
-on it before the next refill (the engine syncs every step, so the wait is normally free).
+on it before the next refill (normally long done by then).
 """
 
 from __future__ import annotations
@@ -26,16 +26,25 @@ class CopyFence:
 
 
 class PinnedStaging:
-    """One growing pinned int64 buffer for a call's upload, reused by every call (a fresh
-    pinned tensor per call can cost a host allocation)."""
+    """Pinned int64 buffers for a call's upload, reused by later calls (a fresh pinned tensor
+    per call can cost a host allocation). Two alternate, so a call made while the previous
+    one's copy is still queued (the engine launches a step before reading the last) does not
+    wait for it."""
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-        self.fence = CopyFence()
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._fences = [CopyFence(), CopyFence()]
+        self._turn = 0
+        self.fence = self._fences[0]
 
     def take(self, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements, once the previous upload has been copied."""
+        """The first ``numel`` elements of the next buffer, once its last upload was copied;
+        ``fence.record()`` after queueing the copy."""
+        self._turn ^= 1
+        self.fence = self._fences[self._turn]
         self.fence.wait()
-        if self._buffer is None or self._buffer.numel() < numel:
-            self._buffer = torch.empty(max(4096, 2 * numel), dtype=torch.int64, pin_memory=True)
-        return self._buffer[:numel]
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(4096, 2 * numel), dtype=torch.int64, pin_memory=True)
+            self._buffers[self._turn] = buffer
+        return buffer[:numel]

@@ -11,6 +11,12 @@ it as an upper bound. Adapter groups are built outside the graph (grouping needs
 sync on the device), so they are computed on the host from the step's adapter slots and
 copied with the other inputs: one int64, one int32 and one block-table copy per step, from
 pinned host buffers.
+
+A step launched before the previous one was read (the engine runs one step ahead) does not
+know its input tokens yet: a negative input id ``-1 - r`` means "the token sampled for row r
+of the previous step", which the engine leaves in ``feed`` on the device. The graph gathers
+every row's input id from ``[feed | staged ids]`` (one index per row), so it needs no host
+round trip.
 """
 
 from __future__ import annotations
@@ -53,25 +59,31 @@ class DecodeGraphs:
         self.max_groups = min(n, num_adapters + 1) if num_adapters is not None else 0
         # Every per-row input lives in one int64 and one int32 buffer (plus the block table),
         # staged in pinned host twins: a step costs three host-to-device copies.
-        # int64 rows: input_ids, positions, slot_mapping.
+        # int64 [5n]: feed (written on the device), then the staged rows input_ids,
+        # positions, slot_mapping, id_index (where each row's input id sits in feed + ids).
         # int32: seq_lens [n], token_adapter [n], sorted_rows [n], then group_start,
         # group_size, group_adapter [max_groups each].
         n32 = 3 * n + 3 * self.max_groups
-        self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._i64 = torch.zeros(5 * n, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         pin = device.type == "cuda"
-        self._h64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._h64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
         self._h32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
         self._htables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._fence = CopyFence()  # the host twins are refilled only after their copies ran
         self._h64[2] = -1  # slot_mapping: padding rows write no KV
+        self._h64[3] = torch.arange(n, 2 * n)  # id_index: every row its staged id
         self._h32[:n] = 1  # seq_lens: a one-token context
         self._h32[n: 2 * n] = -1  # token_adapter: no adapter
-        self._i64.copy_(self._h64)
+        self._staged64 = self._i64[n:].view(4, n)
+        self._staged64.copy_(self._h64)
         self._i32.copy_(self._h32)
-        self.input_ids, self.positions, self.slot_mapping = self._i64.unbind(0)
+        self.feed = self._i64[:n]
+        self._id_pool = self._i64[: 2 * n]
+        self.input_ids, self.positions, self.slot_mapping, self.id_index = \
+            self._staged64.unbind(0)
         self.seq_lens = self._i32[:n]
         self.token_adapter = self._i32[n: 2 * n]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -96,6 +108,8 @@ class DecodeGraphs:
         )
 
     def _batch(self, b: int) -> ForwardBatch:
+        # Inside the graph: each row's input id, staged or fed by the previous step.
+        input_ids = self._id_pool.index_select(0, self.id_index[:b])
         attn = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b],
@@ -107,7 +121,7 @@ class DecodeGraphs:
         lora = None
         if self.num_adapters is not None:
             lora = LoRABatch(self.groups[b])
-        return ForwardBatch(self.input_ids[:b], self.positions[:b], attn,
+        return ForwardBatch(input_ids, self.positions[:b], attn,
                             self.logits_indices[:b], lora)
 
     def capture(self) -> None:
@@ -119,15 +133,14 @@ class DecodeGraphs:
                 self.groups[b] = self._group_views(b)
                 self._stage_groups([-1] * b, b)
                 self._i32.copy_(self._h32)
-            batch = self._batch(b)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.forward(batch)  # warm-up: compiles kernels, grows workspaces
+                self.forward(self._batch(b))  # warm-up: compiles kernels, grows workspaces
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.forward(batch)
+                self.outputs[b] = self.forward(self._batch(b))
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 
@@ -149,6 +162,11 @@ class DecodeGraphs:
             lo = 3 * n + i * gmax
             h[lo: lo + g] = values
 
+    def set_feed(self, tokens: torch.Tensor) -> None:
+        """Leave the tokens just sampled (row r: the token of the step's row r) on the device
+        for the next step's fed rows."""
+        self.feed[: tokens.numel()].copy_(tokens.reshape(-1), non_blocking=True)
+
     def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """Replay the decode graph for ``step`` (every sequence one token); the forward's
         outputs (row-major: one row per sequence), cut to the step's rows."""
@@ -165,9 +183,14 @@ class DecodeGraphs:
         self._fence.wait()
         pad = bucket - b
         h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
-        h64[0, :bucket] = step.input_ids + [0] * pad
+        n = self.buckets[-1]
+        ids = step.input_ids
+        h64[0, :bucket] = [max(t, 0) for t in ids] + [0] * pad
         h64[1, :bucket] = step.positions + [0] * pad
         h64[2, :bucket] = step.slot_mapping + [-1] * pad
+        # A fed row (-1 - r) reads feed[r]; the others their staged id at n + row.
+        h64[3, :bucket] = [n + i if t >= 0 else -1 - t for i, t in enumerate(ids)] + \
+            list(range(n + b, n + bucket))
         h32[:bucket] = step.seq_lens + [1] * pad
         width = max(len(row) for row in step.block_tables)
         for i, row in enumerate(step.block_tables):
@@ -175,7 +198,7 @@ class DecodeGraphs:
         tables[b:bucket, 0] = 0  # padding rows: a one-token context on page 0
         if self.num_adapters is not None:
             self._stage_groups(step.token_adapter + [-1] * pad, bucket)
-        self._i64[:, :bucket].copy_(self._h64[:, :bucket], non_blocking=True)
+        self._staged64[:, :bucket].copy_(self._h64[:, :bucket], non_blocking=True)
         self._i32.copy_(self._h32, non_blocking=True)
         self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],
                                                  non_blocking=True)

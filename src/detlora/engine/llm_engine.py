@@ -21,13 +21,25 @@ from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.model_runner import ModelRunner
 from detlora.engine.outputs import CompletionOutput, RequestOutput
-from detlora.engine.sampler import Sampler, SampleRequest, derive_seed
-from detlora.engine.scheduler import Scheduler
+from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive_seed
+from detlora.engine.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sequence import FinishReason
 from detlora.engine.sequence import Sequence as Seq
 from detlora.engine.step_inputs import build_step_inputs
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.lora.request import LoRARequest
+
+_UNREAD = -1  # a sequence's token whose step is launched but not read yet
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A launched step: its sampling sequences (row order) and where their tokens go."""
+
+    seqs: list[Seq]
+    positions: list[int]  # index of each row's token in its sequence's token_ids
+    pending: PendingSample
+
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -162,6 +174,11 @@ class LLMEngine:
         )
         self._counter = itertools.count()
         self.num_steps = 0
+        self.num_steps_ahead = 0  # steps launched before the previous one was read
+        self._inflight: _InFlight | None = None  # a launched step not read yet
+        # Running ahead pays where the GPU runs behind the host; on the CPU it would only
+        # add work (tests turn it on there to compare bits).
+        self.run_ahead = self.runner.uses_cuda_graphs
 
     # ---- setup ----
 
@@ -252,40 +269,113 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def abort_all(self) -> None:
-        """Drop every unfinished request and free its pages."""
+        """Drop every unfinished request (and a step in flight) and free its pages."""
+        self._inflight = None
         self.scheduler.abort_all()
 
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; return the requests that finished."""
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not schedule any waiting sequence "
-                                   "(KV cache too small for the next prompt?)")
-            return []
+        """Schedule, run the model, sample; return the requests that finished.
+
+        With decode graphs (``run_ahead``) the engine runs one step ahead: while a step is in
+        flight, the next one (every running sequence decodes again) is scheduled and launched with
+        its input tokens left on the device by the sampler, and only then is the first one
+        read. The host's work then hides behind the GPU's. A row computed ahead for a
+        sequence that the read step finished (a stop token) is dropped. The steps and their
+        batches are the same as without running ahead, so are the bits.
+        """
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler could not schedule any waiting sequence "
+                                       "(KV cache too small for the next prompt?)")
+                return []
+            self._inflight = self._launch(sched)
+            if self._inflight is None:
+                return []  # a prefill chunk: nothing sampled yet
+        current = self._inflight
+        self._inflight = self._launch_ahead(current)
+        finished = self._collect(current)
+        if self._inflight is not None and not self.scheduler.running:
+            self._collect(self._inflight)  # every row of it belongs to a finished sequence
+            self._inflight = None
+        return finished
+
+    def _launch(self, sched: SchedulerOutput,
+                fed_rows: list[int] | None = None) -> _InFlight | None:
+        """Run the model and queue the sampling of ``sched``; None when no row samples.
+        ``fed_rows[i]``: the previous step's row whose token is sequence i's input."""
         self.num_steps += 1
         seqs = [s.seq for s in sched.scheduled]
         slots = [-1] * len(seqs)
         if self.lora_manager is not None:
             slots = self.lora_manager.activate([s.lora for s in seqs])
         step = build_step_inputs(sched, slots, self.config.block_size)
+        if fed_rows is not None:
+            step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
         out = self.runner.execute(step, sched.is_decode_only)
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
-
         sampling = [s.seq for s in sched.scheduled if s.samples]
         if not sampling:
-            return []
+            return None
         assert out is not None
-        results = self.sampler(out.logits, [self._sample_request(s) for s in sampling],
-                               greedy=out.greedy)
+        pending = self.sampler.launch(out.logits, [self._sample_request(s) for s in sampling],
+                                      greedy=out.greedy)
+        if pending.tokens is not None and self.run_ahead:
+            self.runner.feed(pending.tokens)
+        positions = [len(s.token_ids) for s in sampling]
+        for s in sampling:  # the token's place, filled when the step is read
+            s.token_ids.append(_UNREAD)
+        return _InFlight(sampling, positions, pending)
+
+    def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
+        """Launch the next step before ``current`` is read, when it is sure to be a decode
+        step of every running sequence: nothing waits, every running sequence sampled in
+        ``current`` and is not finished by length there, and the KV pages suffice."""
+        running = self.scheduler.running
+        if (
+            not self.run_ahead
+            or self.scheduler.waiting
+            or not running
+            or len(running) > self.config.max_num_batched_tokens
+        ):
+            return None
+        rows = {id(seq): r for r, seq in enumerate(current.seqs)}
+        pages = 0
+        for seq in running:
+            length = len(seq.token_ids)  # with the unread token
+            if (
+                id(seq) not in rows
+                or seq.num_pending != 1
+                or length >= seq.max_len
+                or length - seq.num_prompt_tokens >= seq.params.max_tokens
+            ):
+                return None
+            pages += self.block_manager.blocks_needed(seq, length)
+        if pages > self.block_manager.num_free:
+            return None
+        sched = self.scheduler.schedule()
+        if sched.preempted or len(sched.scheduled) != len(running) or not sched.is_decode_only:
+            raise RuntimeError("a step scheduled ahead was not a decode of every sequence")
+        self.num_steps_ahead += 1
+        return self._launch(sched, [rows[id(s.seq)] for s in sched.scheduled])
+
+    def _collect(self, inflight: _InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens into its sequences; the finished requests."""
+        results = inflight.pending.result()
         finished: list[RequestOutput] = []
-        for seq, result in zip(sampling, results, strict=True):
-            seq.append_token(result.token_id, result.logprobs)
-            reason = self._finish_reason(seq, result.token_id)
+        for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
+            if seq.is_finished:
+                continue  # finished by the step before: this row ran ahead for nothing
+            seq.token_ids[pos] = result.token_id
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs)
+            reason = self._finish_reason(seq, result.token_id, pos + 1)
             if reason is not None:
+                del seq.token_ids[pos + 1:]  # the unread token of a step launched ahead
                 self.scheduler.finish(seq, reason)
                 finished.append(self.output_of(seq))
         return finished
@@ -298,12 +388,13 @@ class LLMEngine:
         banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
         return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned)
 
-    def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:
+        """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does."""
         if token in seq.params.stop_token_ids or (
             not seq.params.ignore_eos and token in self.eos_token_ids
         ):
             return FinishReason.STOP
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_len:
+        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= seq.max_len:
             return FinishReason.LENGTH
         return None
 

@@ -3,7 +3,8 @@
 The runner owns the paged KV cache (allocated through the model, which binds the per-layer
 pages to its attention layers) and, on CUDA unless ``enforce_eager``, the decode graphs.
 Mixed and prefill steps run eagerly; a step where every sequence decodes one token replays
-the graph of its padded batch size. It returns fp32 logits for the rows that sample.
+the graph of its padded batch size. It returns the logits (model dtype) of the rows that
+sample.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ModelRunner:
         self.num_adapters = num_adapters
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
+        self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graph_error: str | None = None
         if use_cuda_graphs and device.type == "cuda":
             self._capture(max_num_seqs)
@@ -73,9 +75,9 @@ class ModelRunner:
         self.graphs = graphs
 
     def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """What a decode graph computes: fp32 logits, and the greedy head's [B, 2] when set
+        """What a decode graph computes: the logits, and the greedy head's [B, 2] when set
         (row-wise, so a padded bucket gives every real row its own bits)."""
-        logits = self.model(batch).float()
+        logits = self.model(batch)
         if self.greedy_head is None:
             return (logits,)
         return logits, self.greedy_head(logits)
@@ -103,18 +105,30 @@ class ModelRunner:
         if self.num_adapters is not None:
             token_adapter = t(step.token_adapter, torch.int32)
             lora = LoRABatch(group_tokens(token_adapter, self.num_adapters, validate=False))
+        input_ids = t(step.input_ids, torch.int64)
+        if step.input_ids and min(step.input_ids) < 0:  # fed rows (see ``feed``)
+            fed = self._feed.index_select(0, (-1 - input_ids).clamp(min=0))
+            input_ids = torch.where(input_ids >= 0, input_ids, fed)
         return ForwardBatch(
-            input_ids=t(step.input_ids, torch.int64),
+            input_ids=input_ids,
             positions=t(step.positions, torch.int64),
             attn=attn,
             logits_indices=t(step.logits_indices, torch.int64),
             lora=lora,
         )
 
+    def feed(self, tokens: torch.Tensor) -> None:
+        """The tokens just sampled, kept on the device for a step launched before they are
+        read (its input id ``-1 - r`` is ``tokens[r]``)."""
+        if self.graphs is not None:
+            self.graphs.set_feed(tokens)
+        else:
+            self._feed[: tokens.numel()].copy_(tokens.reshape(-1))
+
     @torch.inference_mode()
     def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
-        """Run one step: fp32 logits [len(step.logits_indices), V] (and, from a decode graph,
-        the greedy head's [B, 2]), or None if no row samples."""
+        """Run one step: logits [len(step.logits_indices), V] in the model's dtype (and, from
+        a decode graph, the greedy head's [B, 2]), or None if no row samples."""
         if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
             out = self.graphs.run(step)
             return StepLogits(out[0], out[1] if len(out) > 1 else None)
@@ -122,9 +136,9 @@ class ModelRunner:
         if not step.logits_indices:
             self.model.hidden_states(batch)  # a prefill chunk: only the KV writes matter
             return None
-        return StepLogits(self.model(batch).float(), None)
+        return StepLogits(self.model(batch), None)
 
 
 class StepLogits(NamedTuple):
-    logits: torch.Tensor  # fp32 [N, V]
+    logits: torch.Tensor  # [N, V], the model's dtype
     greedy: torch.Tensor | None  # float64 [N, 2] (Sampler.greedy_head), or None

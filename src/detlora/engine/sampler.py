@@ -124,6 +124,42 @@ def _fp32_bits(values: Sequence[float]) -> list[int]:
     return array.array("I", array.array("f", values).tobytes()).tolist()
 
 
+class PendingSample:
+    """Sampled tokens on their way to the host.
+
+    ``tokens`` stays on the device (int64 or float64 ids, one per row) for a step launched
+    before this one is read; ``result()`` waits for the copy and parses it, once.
+    """
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
+                 tokens: torch.Tensor | None,
+                 parse: Callable[[list[float]], list[SampleResult]]) -> None:
+        self.tokens = tokens
+        self._host = host
+        self._event = event
+        self._parse = parse
+        self._results: list[SampleResult] | None = None
+
+    @classmethod
+    def read(cls, values: torch.Tensor, tokens: torch.Tensor | None,
+             parse: Callable[[list[float]], list[SampleResult]]) -> PendingSample:
+        """Start copying ``values`` to the host: pinned and non-blocking on CUDA."""
+        if values.device.type != "cuda":
+            return cls(values, None, tokens, parse)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event, tokens, parse)
+
+    def result(self) -> list[SampleResult]:
+        if self._results is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._results = self._parse(self._host.tolist())
+        return self._results
+
+
 class Sampler:
     """Turns fp32 logits [N, V] into one token per row.
 
@@ -177,8 +213,19 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[SampleRequest],
         greedy: torch.Tensor | None = None,
     ) -> list[SampleResult]:
-        """One token per row. ``greedy`` (from ``greedy_head`` of these logits) answers a
-        batch whose rows are all greedy, without banned tokens or top logprobs, in one read."""
+        """One token per row (``launch`` and its ``result`` in one go)."""
+        return self.launch(logits, requests, greedy).result()
+
+    def launch(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest],
+        greedy: torch.Tensor | None = None,
+    ) -> PendingSample:
+        """Queue the sampling of one token per row; ``result()`` reads them.
+
+        On CUDA nothing here waits for the device: the results travel to pinned memory
+        behind the queued work, so the host can prepare (and launch) the next step first.
+        ``greedy`` (from ``greedy_head`` of these logits) answers a batch whose rows are all
+        greedy, without banned tokens or top logprobs, with no further kernel."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [N, vocab] with N = {len(requests)} rows, "
@@ -186,34 +233,38 @@ class Sampler:
             )
         n, vocab = logits.shape
         if n == 0:
-            return []
+            return PendingSample.read(torch.empty(0, dtype=torch.int64), None, lambda v: [])
         if greedy is not None and all(
             r.params.greedy and not r.banned_token_ids and not r.params.logprobs
             for r in requests
         ):
             if tuple(greedy.shape) != (n, 2):
                 raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
-            return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp})
-                    for (t, lp), r in zip(greedy.tolist(), requests, strict=True)]
+
+            def parse_greedy(values: list[float]) -> list[SampleResult]:
+                return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp})
+                        for t, lp, r in zip(values[::2], values[1::2], requests, strict=True)]
+
+            return PendingSample.read(greedy.reshape(-1), greedy[:, 0], parse_greedy)
         device = logits.device
         kernels = logits.is_cuda if self._kernels is None else self._kernels
 
         # ---- host: sort the rows and gather every per-row parameter for one upload.
-        greedy: list[int] = []
+        greedy_rows: list[int] = []
         sampled: list[int] = []
         want: list[int] = []
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         for i, r in enumerate(requests):
-            (greedy if r.params.greedy else sampled).append(i)
+            (greedy_rows if r.params.greedy else sampled).append(i)
             if r.params.logprobs is not None:
                 want.append(i)
             if r.banned_token_ids:
                 banned_rows += [i] * len(r.banned_token_ids)
                 banned_cols += r.banned_token_ids
         up = _Upload()
-        g_rows = up.rows(greedy, n) if greedy and sampled else slice(None)
-        s_rows = up.rows(sampled, n) if greedy and sampled else slice(None)
+        g_rows = up.rows(greedy_rows, n) if greedy_rows and sampled else slice(None)
+        s_rows = up.rows(sampled, n) if greedy_rows and sampled else slice(None)
         w_rows = up.rows(want, n) if want else slice(None)
         if banned_rows:
             banned_sec = up.add(banned_rows), up.add(banned_cols)
@@ -244,7 +295,7 @@ class Sampler:
                 x = x.clone()  # the caller's logits stay untouched
             x[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
         tokens = tok_g = tok_s = filtered = None
-        if greedy:
+        if greedy_rows:
             tok_g = self._argmax(x[g_sel]).to(torch.int64)
         if sampled:
             # Temperatures travel as fp32 bits in the low half of int64 slots (little-endian).
@@ -266,7 +317,8 @@ class Sampler:
             tokens[s_sel] = tok_s
 
         if not want:
-            return [SampleResult(t, None) for t in tokens.tolist()]
+            return PendingSample.read(tokens, tokens, lambda values: [
+                SampleResult(int(t), None) for t in values])
         if filtered is None:
             processed = x
         elif tok_g is None:
@@ -287,19 +339,21 @@ class Sampler:
         for t in reads:
             flat[offset : offset + t.numel()].view(t.shape).copy_(t)
             offset += t.numel()
-        values = flat.tolist()
 
-        token_list = [int(v) for v in values[:n]]
-        chosen = values[n : n + len(want)]
-        top = values[n + len(want) :]  # per wanted row: top_n values, then (after all) ids
-        ids_at = len(want) * top_n
-        logprobs: dict[int, dict[int, float]] = {}
-        for j, i in enumerate(want):
-            entry = {token_list[i]: chosen[j]}
-            for c in range(j * top_n, j * top_n + requests[i].params.logprobs):
-                entry.setdefault(int(top[ids_at + c]), top[c])
-            logprobs[i] = entry
-        return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
+        def parse(values: list[float]) -> list[SampleResult]:
+            token_list = [int(v) for v in values[:n]]
+            chosen = values[n : n + len(want)]
+            top = values[n + len(want) :]  # per wanted row: top_n values, then (after all) ids
+            ids_at = len(want) * top_n
+            logprobs: dict[int, dict[int, float]] = {}
+            for j, i in enumerate(want):
+                entry = {token_list[i]: chosen[j]}
+                for c in range(j * top_n, j * top_n + requests[i].params.logprobs):
+                    entry.setdefault(int(top[ids_at + c]), top[c])
+                logprobs[i] = entry
+            return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
+
+        return PendingSample.read(flat, tokens, parse)
 
     def _filter(
         self,

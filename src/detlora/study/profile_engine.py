@@ -122,14 +122,19 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
     le.build_step_inputs = clock.wrap("build_inputs", build)
     eng.scheduler.schedule = clock.wrap("schedule", eng.scheduler.schedule)
     eng.runner.execute = clock.wrap("model", eng.runner.execute, sync=True)
-    sampler = eng.sampler
+    launch = eng.sampler.launch
     last_sample: dict[str, Any] = {}
+
+    def sampler(logits: torch.Tensor, reqs: Any, greedy: Any = None) -> Any:
+        return launch(logits, reqs, greedy=greedy).result()
 
     def sample_and_keep(logits: torch.Tensor, reqs: Any, greedy: Any = None) -> Any:
         last_sample.update(logits=logits, reqs=reqs, greedy=greedy)
-        return sampler(logits, reqs, greedy=greedy)
+        pending = launch(logits, reqs, greedy=greedy)
+        pending.result()  # the whole sampling inside this phase (the step ahead waits)
+        return pending
 
-    eng.sampler = clock.wrap("sample", sample_and_keep, sync=True)
+    eng.sampler.launch = clock.wrap("sample", sample_and_keep, sync=True)
     graphs = eng.runner.graphs
     if graphs is not None:
         graphs.stage = clock.wrap("stage", graphs.stage)
@@ -190,6 +195,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                     f"{k['kernel']}")
     finally:
         le.build_step_inputs = original_build
+        del eng.sampler.launch  # the method again
     return rows
 
 
