@@ -10,9 +10,10 @@ parameters, seed and position, never on which other rows share the step:
   CPU and GPU), so a draw depends on nothing but those three numbers. The hash and the
   Gumbel-max are ``detlora.ops.sampling``: its torch reference on the CPU, its Triton kernel
   on CUDA (the same bits);
-* top-k keeps the k best ranks of a stable descending sort (ties: lower token id first);
-  top-p keeps the shortest prefix of that order whose probability reaches ``top_p``, with the
-  running sum taken in 2^-40 fixed point: integer sums do not depend on the scan order;
+* top-k keeps the k best ranks of a stable descending sort of the raw logits (the model's
+  dtype; ties: lower token id first); top-p keeps the shortest prefix of that order whose
+  probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
+  sums do not depend on the scan order (``detlora.engine.token_filter``);
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
 
 Per call, the per-row parameters (row indices, keys, temperatures, top-k, top-p limits, banned
@@ -31,6 +32,7 @@ import torch
 
 from detlora.config import SamplingParams
 from detlora.engine.copy_fence import PinnedStaging
+from detlora.engine.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
 _NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
@@ -185,7 +187,6 @@ class Sampler:
         self._argmax = argmax
         self._log_softmax = log_softmax
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._ranks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._staging = PinnedStaging()
 
     def token_hash(self, vocab: int, device: torch.device) -> torch.Tensor:
@@ -193,12 +194,6 @@ class Sampler:
         if key not in self._token_hash:
             self._token_hash[key] = self._ops.token_hash(vocab, device)
         return self._token_hash[key]
-
-    def _arange(self, vocab: int, device: torch.device) -> torch.Tensor:
-        key = (vocab, device)
-        if key not in self._ranks:
-            self._ranks[key] = torch.arange(vocab, device=device)
-        return self._ranks[key]
 
     def greedy_head(self, logits: torch.Tensor) -> torch.Tensor:
         """float64 [N, 2]: every row's greedy token id and its logprob, as ``__call__`` gives
@@ -289,11 +284,11 @@ class Sampler:
         g_sel, s_sel, w_sel = resolve(g_rows), resolve(s_rows), resolve(w_rows)
 
         # ---- device.
-        x = logits.float()  # no copy when already fp32
+        raw = logits  # the model's dtype: the filters rank these (bf16: a 16-bit sort)
         if banned_rows:
-            if x is logits:
-                x = x.clone()  # the caller's logits stay untouched
-            x[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
+            raw = logits.clone()  # the caller's logits stay untouched
+            raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
+        x = raw.float()  # no copy when already fp32
         tokens = tok_g = tok_s = filtered = None
         if greedy_rows:
             tok_g = self._argmax(x[g_sel]).to(torch.int64)
@@ -302,7 +297,8 @@ class Sampler:
             temps = dev[temp_sec].view(torch.float32)[::2]
             top_k_t = dev[top_k_sec] if top_k_sec is not None else None
             limit_t = dev[limit_sec] if limit_sec is not None else None
-            filtered = self._filter(x[s_sel], temps, top_k_t, limit_t, kernels)
+            filtered = filter_logits(raw[s_sel], temps, top_k_t, limit_t,
+                                     log_softmax=self._log_softmax, kernels=kernels)
             keys = dev[keys_sec].view(-1, 2)
             th = self.token_hash(vocab, device)
             ops = self._ops
@@ -354,38 +350,3 @@ class Sampler:
             return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
 
         return PendingSample.read(flat, tokens, parse)
-
-    def _filter(
-        self,
-        logits: torch.Tensor,
-        temps: torch.Tensor,
-        top_k: torch.Tensor | None,
-        limit: torch.Tensor | None,
-        kernels: bool,
-    ) -> torch.Tensor:
-        """Temperature, then top-k and top-p: rows [n, V] fp32, dropped tokens at -inf.
-
-        ``top_k`` [n] (vocab = off) and ``limit`` [n] (top-p mass in 2^-40 units) are None
-        when no row uses that filter.
-        """
-        x = logits / temps[:, None]
-        if top_k is None and limit is None:
-            return x
-        # The sorted values are x's elements in rank order (what x.gather(1, order) gives).
-        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        rank_keep = None
-        if top_k is not None:
-            rank_keep = self._arange(x.shape[1], x.device)[None, :] < top_k[:, None]
-        if limit is not None:
-            if rank_keep is not None:
-                sorted_x = sorted_x.masked_fill(~rank_keep, float("-inf"))
-            # Probabilities after top-k, in sorted order, summed in exact fixed point.
-            probs = torch.exp(self._log_softmax(sorted_x).float()).double()
-            mass = torch.floor(probs * _FIXED_POINT).to(torch.int64)
-            prefix_keep = self._ops.prefix_keep if kernels else self._ops.prefix_keep_ref
-            keep_p = prefix_keep(mass, limit)  # the mass of the better-ranked tokens < limit
-            rank_keep = keep_p if rank_keep is None else rank_keep.logical_and_(keep_p)
-            rank_keep[:, 0] = True  # the best token always survives
-        # order is a permutation: scattering the masked sorted row back writes every token.
-        kept = sorted_x.masked_fill(~rank_keep, float("-inf"))
-        return torch.empty_like(x).scatter_(1, order, kept)
