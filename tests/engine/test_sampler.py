@@ -230,5 +230,19 @@ def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
              SampleRequest(SamplingParams(), seed=0, position=9),
              SampleRequest(SamplingParams(), seed=0, position=9)]
     assert s(logits, mixed, greedy=head) == s(logits, mixed)
+    # Greedy rows beside sampled ones (top-p, banned tokens, with and without logprobs): the
+    # head answers the greedy rows, the sampled rows are computed; the same results.
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=0)
+    beside = [SampleRequest(SamplingParams(logprobs=0), seed=0, position=9),
+              SampleRequest(sampled, seed=3, position=9),
+              SampleRequest(SamplingParams(), seed=0, position=9),
+              SampleRequest(sampled, seed=4, position=9, banned_token_ids=(5,)),
+              SampleRequest(SamplingParams(temperature=1.2, seed=2), seed=2, position=9),
+              SampleRequest(SamplingParams(logprobs=0), seed=0, position=9)]
+    for reqs in (beside, [beside[k] for k in (1, 0, 2, 4, 5, 3)], beside[:1] + beside[2:3]):
+        rows = len(reqs)
+        want = s(logits[:rows], reqs)
+        assert s(logits[:rows], reqs, greedy=head[:rows]) == want
+        assert any(r.logprobs for r in want)
     with pytest.raises(ValueError, match=r"greedy must be \[6, 2\]"):
         s(logits, [SampleRequest(SamplingParams(), seed=0, position=1)] * 6, greedy=head[:3])

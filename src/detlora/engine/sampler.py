@@ -288,9 +288,16 @@ class Sampler:
         if banned_rows:
             raw = logits.clone()  # the caller's logits stay untouched
             raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
-        x = raw.float()  # no copy when already fp32
+        top_n = max((requests[i].params.logprobs for i in want), default=0)
+        # The greedy head answers the greedy rows (token and chosen logprob) unless one bans
+        # tokens or a row wants top logprobs: only the sampled rows are then computed here.
+        use_head = greedy is not None and top_n == 0 and not any(
+            requests[i].banned_token_ids for i in greedy_rows)
+        if use_head and tuple(greedy.shape) != (n, 2):
+            raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
+        x = None if use_head else raw.float()  # no copy when already fp32
         tokens = tok_g = tok_s = filtered = None
-        if greedy_rows:
+        if greedy_rows and not use_head:
             tok_g = self._argmax(x[g_sel]).to(torch.int64)
         if sampled:
             # Temperatures travel as fp32 bits in the low half of int64 slots (little-endian).
@@ -303,6 +310,9 @@ class Sampler:
             th = self.token_hash(vocab, device)
             ops = self._ops
             tok_s = (ops.gumbel_argmax if kernels else ops.gumbel_argmax_ref)(filtered, keys, th)
+        if use_head:
+            return self._read_with_head(greedy, tok_s, filtered, s_sel, w_sel, want,
+                                        self._parser(requests, want, 0))
         if tok_s is None:
             tokens = tok_g
         elif tok_g is None:
@@ -324,7 +334,6 @@ class Sampler:
             processed[s_sel] = filtered
         lp = self._log_softmax(processed[w_sel]).float()
         reads = [tokens, lp.gather(1, tokens[w_sel][:, None])]
-        top_n = max(requests[i].params.logprobs for i in want)
         if top_n > 0:
             # Stable descending sort: equal logprobs list the lower token id first.
             top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
@@ -336,10 +345,40 @@ class Sampler:
             flat[offset : offset + t.numel()].view(t.shape).copy_(t)
             offset += t.numel()
 
+        return PendingSample.read(flat, tokens, self._parser(requests, want, top_n))
+
+    def _read_with_head(
+        self, greedy: torch.Tensor, tok_s: torch.Tensor | None, filtered: torch.Tensor | None,
+        s_sel: slice | torch.Tensor, w_sel: slice | torch.Tensor, want: list[int],
+        parse: Callable[[list[float]], list[SampleResult]],
+    ) -> PendingSample:
+        """Tokens and chosen logprobs from the greedy head, the sampled rows replaced by
+        theirs (row-wise kernels: the bits the full path gives those rows)."""
+        head = greedy
+        if tok_s is not None:
+            head = greedy.clone()
+            head[s_sel, 0] = tok_s.double()
+            if want:
+                lp = self._log_softmax(filtered).float().gather(1, tok_s[:, None])[:, 0]
+                head[s_sel, 1] = lp.double()
+        n = head.shape[0]
+        flat = torch.empty(n + len(want), dtype=torch.float64, device=head.device)
+        flat[:n].copy_(head[:, 0])
+        if want:
+            flat[n:].copy_(head[w_sel, 1])
+        return PendingSample.read(flat, flat[:n], parse)
+
+    @staticmethod
+    def _parser(requests: Sequence[SampleRequest], want: list[int],
+                top_n: int) -> Callable[[list[float]], list[SampleResult]]:
+        """Parses the one read: n token ids, the wanted rows' chosen logprobs, then per wanted
+        row ``top_n`` values and (after all of them) their ids."""
+        n = len(requests)
+
         def parse(values: list[float]) -> list[SampleResult]:
             token_list = [int(v) for v in values[:n]]
             chosen = values[n : n + len(want)]
-            top = values[n + len(want) :]  # per wanted row: top_n values, then (after all) ids
+            top = values[n + len(want) :]
             ids_at = len(want) * top_n
             logprobs: dict[int, dict[int, float]] = {}
             for j, i in enumerate(want):
@@ -349,4 +388,4 @@ class Sampler:
                 logprobs[i] = entry
             return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
 
-        return PendingSample.read(flat, tokens, parse)
+        return parse

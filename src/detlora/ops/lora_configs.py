@@ -126,11 +126,14 @@ def _trim_split(cfg: ShrinkConfig, hidden: int) -> ShrinkConfig:
 
 # Tilings measured best on the H200 (benchmarks/results/lora_sweep.json: H = 3072 and 4096,
 # r = 16 and 64, 1 and 3 slices; BLOCK_N = 16 won everywhere: the shrink is latency-bound, so
-# more CTAs beat wider tiles). Rows: (largest M, hidden elements per chunk, BLOCK_M, BLOCK_K,
-# warps).
+# more CTAs beat wider tiles). Up to 64 rows the engine runs the shrink beside its base GEMM,
+# where 768-element chunks (a third of the CTAs of the 256 that won alone) slow the GEMM less:
+# the engine went from 13557 to 13929 tok/s at batch 64 and from 2.94 to 2.85 ms per token at
+# batch 1 (benchmarks/results/r2r_shrink_chunks.json). Rows: (largest M, hidden elements per
+# chunk, BLOCK_M, BLOCK_K, warps).
 _ORDERED_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (16, 256, 16, 128, 4),
-    (64, 256, 32, 128, 4),
+    (16, 768, 16, 128, 4),
+    (64, 768, 32, 128, 4),
     (256, 768, 32, 256, 2),
     (1024, 768, 32, 128, 2),
     (1 << 62, 1536, 64, 128, 4),
