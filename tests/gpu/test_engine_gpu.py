@@ -179,3 +179,33 @@ def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
     cpu = _mix32(keys[:, :1] ^ _mix32(ids)[None, :])
     gpu = _mix32(keys[:, :1].cuda() ^ _mix32(ids.cuda())[None, :])
     assert torch.equal(cpu, gpu.cpu())
+
+
+@pytest.mark.parametrize("level", ["run_to_run", "batch_invariant"])
+def test_running_one_step_ahead_gives_the_step_by_step_bits(assets, level):
+    """The decode graphs read fed input ids when a step is launched before the last one is
+    read; requests that stop on a stop token (their rows computed ahead are dropped), ban
+    stop tokens for a while, and end at different lengths give the bits of step by step."""
+    model_dir, loras, prompts = assets
+    n = len(prompts)
+    stops = tuple(range(2, 2 + VOCAB // 12))
+    params = [SamplingParams(max_tokens=8 + 3 * k, logprobs=0, stop_token_ids=stops,
+                             min_tokens=k % 3, **({} if k % 2 == 0 else
+                                                  dict(temperature=0.9, top_p=0.9, seed=k)))
+              for k in range(n)]
+    mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
+    llm = _llm(model_dir, determinism=level)
+    engine = llm.engine
+    assert engine.run_ahead and engine.runner.uses_cuda_graphs
+    ahead = llm.generate(prompts, params, mixed, use_tqdm=False)
+    launched_ahead = engine.num_steps_ahead
+    engine.run_ahead = False
+    steps = engine.num_steps
+    step_by_step = llm.generate(prompts, params, mixed, use_tqdm=False)
+    assert launched_ahead > 0 and engine.num_steps_ahead == launched_ahead
+    assert {o.outputs[0].finish_reason for o in step_by_step} == {"stop", "length"}
+    assert _diff(ahead, step_by_step) == []
+    # The same steps, plus at most one launched ahead for nothing per stop.
+    stopped = sum(o.outputs[0].finish_reason == "stop" for o in step_by_step)
+    assert engine.num_steps - steps <= steps <= engine.num_steps - steps + stopped
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
