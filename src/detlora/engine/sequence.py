@@ -4,7 +4,8 @@ A sequence holds its prompt and the tokens generated so far in one list. ``num_c
 counts the leading tokens whose K/V sit in the cache; the scheduler gives a step the tokens
 ``[num_computed, num_computed + n)``, and once every token is computed the step's logits row
 samples the next token. Preemption sets ``num_computed`` back to zero and frees the pages, so
-the recompute is an ordinary prefill of prompt + generated tokens.
+the recompute is an ordinary prefill of prompt + generated tokens. While the step that samples
+a token is in flight (the engine runs one step ahead), its place in ``token_ids`` holds -1.
 """
 
 from __future__ import annotations
