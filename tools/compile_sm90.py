@@ -16,7 +16,9 @@ compiles the LoRA kernels in every mode and prints what their PTX uses.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,6 +47,19 @@ def compile_kernel(fn, consts, ptr_types, num_warps=4, num_stages=3, default_ptr
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
     return kernel, time.time() - t0
+
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def ptxas_spills(ptx: str) -> int:
+    """Bytes of register spill stores when Triton's bundled ptxas assembles ``ptx`` for
+    sm_90a (0 is what the kernels are held to)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    info = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+    return sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", info))
 
 
 def ptx_summary(ptx: str) -> dict[str, int]:

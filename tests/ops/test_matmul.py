@@ -230,13 +230,10 @@ def test_bad_inputs_raise_value_error_naming_the_argument(case):
 
 
 _SM90_SCRIPT = r"""
-import json, re, subprocess, sys, tempfile
-from pathlib import Path
-import torch, triton
-from tools.compile_sm90 import compile_kernel, ptx_summary
+import json, sys
+from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import matmul as mm
 
-ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 out = []
 for m, n, k in json.loads(sys.argv[1]):
     cfg = mm.matmul_config(m, n, k)
@@ -254,11 +251,7 @@ for m, n, k in json.loads(sys.argv[1]):
                                div16=("K", "N", "stride_am", "stride_bn", "stride_cm",
                                       "stride_ab", "stride_bb", "stride_cb"))
     ptx = kernel.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
-    spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", info))
+    spills = ptxas_spills(ptx)
     out.append({"shape": [m, n, k], "block_m": bm, "split": cfg.split_ctas,
                 "multi": cfg.k_split.num_chunks > 1, "ptx": ptx_summary(ptx),
                 "spills": spills, "smem": kernel.metadata.shared})

@@ -152,14 +152,11 @@ def test_bad_inputs_raise_value_error(monkeypatch):
 
 
 _SM90_SCRIPT = r"""
-import json, re, subprocess, sys, tempfile
-from pathlib import Path
-import triton
-from tools.compile_sm90 import compile_kernel, ptx_summary
+import json, sys
+from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import sampling as sp
 from detlora.ops._runtime import next_power_of_2
 
-ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ptrs = {"x_ptr": "*fp32", "keys_ptr": "*i64", "hash_ptr": "*i64", "out_ptr": "*i64",
         "part_val_ptr": "*fp64", "part_idx_ptr": "*i32", "scores_ptr": "*fp64",
         "mass_ptr": "*i64", "limit_ptr": "*i64"}
@@ -168,11 +165,7 @@ def build(fn, consts, num_warps, ptr_types=ptrs):
     k, _ = compile_kernel(fn, consts, ptr_types, num_warps=num_warps,
                           div16=("stride_x", "stride_keys", "stride_mass", "stride_out"))
     ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
-    spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", info))
+    spills = ptxas_spills(ptx)
     return {"spills": spills, "lg2_approx": "lg2.approx" in ptx, "ptx": ptx_summary(ptx)}
 
 out = []

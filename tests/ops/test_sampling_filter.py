@@ -246,13 +246,10 @@ def test_bad_inputs_raise_value_error(monkeypatch):
 
 
 _SM90_SCRIPT = r"""
-import json, re, subprocess, sys, tempfile
-from pathlib import Path
-import triton
-from tools.compile_sm90 import compile_kernel, ptx_summary
+import json, re, sys
+from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import sampling as sp
 
-ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 base = {"temps_ptr": "*fp32", "top_k_ptr": "*i64", "out_ptr": "*fp32", "p_ptr": "*fp32",
         "part_ptr": "*i64", "limit_ptr": "*i64", "order_ptr": "*i64", "kept_ptr": "*i64"}
 strides = ("stride_s", "stride_out", "stride_p", "stride_x", "stride_order")
@@ -260,11 +257,7 @@ strides = ("stride_s", "stride_out", "stride_p", "stride_x", "stride_order")
 def build(fn, consts, num_warps, ptrs):
     k, _ = compile_kernel(fn, consts, ptrs, num_warps=num_warps, div16=strides)
     ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
-    spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", info))
+    spills = ptxas_spills(ptx)
     return {"name": fn.__name__, "spills": spills, "div_rn": "div.rn.f32" in ptx,
             "div_other": bool(re.search(r"div\.(full|approx)", ptx)), "ptx": ptx_summary(ptx)}
 
