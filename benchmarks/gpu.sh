@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in one call on the GPU machine (no installs there:
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
-#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile] ...
+#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
+#                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,16 @@ for step in "${steps[@]}"; do
     ops) python3 -m detlora.study.bi_ops_bench --out "$OUT/batch_invariant_ops.json" \
            || status=1 ;;
     engine) python3 -m detlora.study.bench_engine --out "$OUT/engine.json" || status=1 ;;
+    gpu-ops-tests) python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
+                     tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py \
+                     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_ops_tests.log" | tail -n 25 \
+                     || status=1 ;;
+    attention-tiles) python3 -c "from detlora.study.bench_attention import tile_sweep; \
+import json, sys; json.dump(tile_sweep(), open(sys.argv[1], 'w'), indent=1)" \
+                       "$OUT/attention_tile_sweep.json" || status=1 ;;
+    matmul-small-m) python3 -m detlora.study.bench_matmul --sweep --paths persistent --ms 1,64 \
+                      --layers llama_o,llama_qkv,llama_down,qwen_down,qwen_o \
+                      --out "$OUT/matmul_sweep_small_m_persistent.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
                --out "$OUT/profile_engine.json" || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;

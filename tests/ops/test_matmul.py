@@ -97,20 +97,21 @@ def _linear32(x, w, bias, cfg, ws):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_bitwise_equal_across_paths_and_tiles(dtype):
-    k = 72
+# 5 chunks of 2 blocks: the split path's fold takes two rounds of four partials.
+@pytest.mark.parametrize("chunks,k", [(3, 72), (5, 160)])
+def test_rows_bitwise_equal_across_paths_and_tiles(dtype, chunks, k):
     x, w, bias = _inputs(33, 24, k, dtype, seed=9)
     ws = MatmulWorkspace("cpu")
-    ref = _linear32(x, w, bias, _cfg(k, dtype, 3, True), ws)
-    assert torch.equal(mm.linear(x, w, bias, config=_cfg(k, dtype, 3, True), workspace=ws),
+    ref = _linear32(x, w, bias, _cfg(k, dtype, chunks, True), ws)
+    assert torch.equal(mm.linear(x, w, bias, config=_cfg(k, dtype, chunks, True), workspace=ws),
                        ref.to(dtype))  # one rounding of the same fp32 sum
     variants = [
-        _cfg(k, dtype, 3, False),  # persistent, chunks summed in one CTA
-        _cfg(k, dtype, 3, True, tma=False),  # pointer loads
-        _cfg(k, dtype, 3, False, tma=False),
-        _cfg(k, dtype, 3, False, flatten=False),
-        _cfg(k, dtype, 3, True, bm=32, bn=32),
-        _cfg(k, dtype, 3, False, bm=64, bn=32),
+        _cfg(k, dtype, chunks, False),  # persistent, chunks summed in one CTA
+        _cfg(k, dtype, chunks, True, tma=False),  # pointer loads
+        _cfg(k, dtype, chunks, False, tma=False),
+        _cfg(k, dtype, chunks, False, flatten=False),
+        _cfg(k, dtype, chunks, True, bm=32, bn=32),
+        _cfg(k, dtype, chunks, False, bm=64, bn=32),
     ]
     for cfg in variants:
         assert torch.equal(_linear32(x, w, bias, cfg, ws), ref), cfg

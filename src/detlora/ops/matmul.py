@@ -157,9 +157,9 @@ def matmul_config(
         bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32 when that gives
                                too few CTAs), 4 warps, 4 stages (6 when S = 1)
         bf16/fp16, M > 64      persistent path, the tile of ``_PERSISTENT_TILES`` with the
-                               least estimated time (128x256 only when S = 1); the split path
-                               (64x128) when S > 1, M <= 512 and 128x128 tiles fill less than
-                               half the GPU
+                               least estimated time (128x256 only when S = 1), its tile loop
+                               flattened only when S = 1; the split path (64x128) when S > 1,
+                               M <= 512 and 128x128 tiles fill less than a quarter of the GPU
         fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
                                up to M = 64, persistent above
     """
@@ -195,12 +195,17 @@ def matmul_config(
         if best is None or cost < best_cost:
             best, best_cost = (bm, bn, warps, stages, per_sm), cost
     bm, bn, warps, stages, per_sm = best
-    if multi and m <= 512 and batch * cdiv(m, 128) * cdiv(n, 128) < num_sms // 2:
-        # Too few tiles to fill half the GPU: spread each tile's chunks over CTAs instead
-        # (their partials cost M x N x S x 8 bytes of scratch traffic, so only for few rows).
+    if multi and m <= 512 and batch * cdiv(m, 128) * cdiv(n, 128) < num_sms // 4:
+        # Too few tiles to fill a quarter of the GPU: spread each tile's chunks over CTAs
+        # instead (their partials cost M x N x S x 8 bytes of scratch traffic, so only for few
+        # rows). Measured at M = 256 (matmul_sweep.json): 16 tiles (qwen down) favour the
+        # split, 48 tiles (llama o, down) the persistent kernel.
         return MatmulConfig(ks, 64, 128, num_warps=4, num_stages=4, split_ctas=True)
+    # S > 1 runs the nested loops: a flattened loop that also carries the chunk boundaries
+    # ran 1.3-1.45x slower on the H200 (matmul_sweep.json: llama o at M = 4096, S = 6,
+    # 209 us flattened vs 147 us nested); with S = 1 the flattened loop is as fast or faster.
     return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=False,
-                        programs_per_sm=per_sm)
+                        flatten=not multi, programs_per_sm=per_sm)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -332,9 +337,23 @@ def _mm_split_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == num_chunks - 1:
+            # Four partials' loads in flight at a time (one after another, each L2 round trip
+            # sat on the tile's critical path), then added in chunk order; a slot past the
+            # last chunk is skipped, not added as +0.0 (which would turn a -0.0 total into
+            # +0.0 and part from the persistent path's bits).
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, num_chunks):
-                total += tl.load(parts + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+            for s0 in range(0, num_chunks, 4):
+                p0 = tl.load(parts + s0 * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+                p1 = tl.load(parts + (s0 + 1) * (BLOCK_M * BLOCK_N),
+                             mask=(s0 + 1 < num_chunks) & (local >= 0), cache_modifier=".cg")
+                p2 = tl.load(parts + (s0 + 2) * (BLOCK_M * BLOCK_N),
+                             mask=(s0 + 2 < num_chunks) & (local >= 0), cache_modifier=".cg")
+                p3 = tl.load(parts + (s0 + 3) * (BLOCK_M * BLOCK_N),
+                             mask=(s0 + 3 < num_chunks) & (local >= 0), cache_modifier=".cg")
+                total += p0
+                total = tl.where(s0 + 1 < num_chunks, total + p1, total)
+                total = tl.where(s0 + 2 < num_chunks, total + p2, total)
+                total = tl.where(s0 + 3 < num_chunks, total + p3, total)
             _store_tile(c_ptr, bias_ptr, total, batch, off_m, off_n, M, N, stride_cb, stride_cm,
                         stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
             tl.store(counter_ptr + tile, 0)  # self-reset: no init launch next call

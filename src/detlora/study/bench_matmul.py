@@ -234,6 +234,11 @@ def sweep_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
             bm = 16 if m <= 16 else 32 if m <= 32 else 64
             for bn, stages in itertools.product((32, 64, 128), (4, 6)):
                 out.append(MatmulConfig(ks, bm, bn, 4, stages, split_ctas=True))
+            # One CTA per narrow tile walking every chunk itself: no scratch traffic, many
+            # CTAs from a narrow BLOCK_N instead of from the split.
+            for bn, stages in itertools.product((16, 32), (4, 6, 8)):
+                out.append(MatmulConfig(ks, bm, bn, 4, stages, split_ctas=False,
+                                        flatten=False, programs_per_sm=8))
             continue
         # (BLOCK_M, BLOCK_N, warps, stages, CTAs per SM, flatten)
         tiles = [(128, 128, 8, 4, 1, True), (128, 128, 8, 4, 1, False),
@@ -252,9 +257,10 @@ def sweep_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
 
 def sweep(
     layers: Iterable[str] = SWEEP_LAYERS, ms: Iterable[int] = SWEEP_M,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, paths: tuple[str, ...] = ("split", "persistent"),
 ) -> list[dict]:
-    """Time every candidate of ``sweep_candidates`` (tuning data for ``matmul_config``).
+    """Time every candidate of ``sweep_candidates`` on the given ``paths`` (tuning data for
+    ``matmul_config``); the default config is always timed.
 
     Each row: layer, M, the config, its time, cuBLAS's time and whether it is the default
     config. Configs with a different split count give different bits: they are timed only.
@@ -267,7 +273,9 @@ def sweep(
             cublas = time_cublas(sets)
             default = matmul_config(m, n, k, DTYPE)
             best: dict[int, tuple[float, MatmulConfig]] = {}
-            for cfg in [*sweep_candidates(m, n, k), default]:
+            candidates = [c for c in sweep_candidates(m, n, k)
+                          if ("split" if c.split_ctas else "persistent") in paths]
+            for cfg in [*candidates, default]:
                 try:
                     us = time_detlora(sets, cfg)
                 except Exception as exc:  # a candidate that fails to compile is data
@@ -327,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="run the config sweep only")
     parser.add_argument("--layers", default=",".join(SWEEP_LAYERS), help="sweep: layers")
     parser.add_argument("--ms", default=",".join(map(str, SWEEP_M)), help="sweep: row counts")
+    parser.add_argument("--paths", default="split,persistent",
+                        help="sweep: kernel paths to time (split, persistent)")
     args = parser.parse_args(argv)
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.bench_matmul", *(argv or sys.argv[1:])])
     if args.sweep:
-        body = {"sweep": sweep(args.layers.split(","), [int(m) for m in args.ms.split(",")])}
+        body = {"sweep": sweep(args.layers.split(","), [int(m) for m in args.ms.split(",")],
+                               paths=tuple(args.paths.split(",")))}
     else:
         body = run()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
