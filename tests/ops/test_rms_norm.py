@@ -1,5 +1,6 @@
 """RMSNorm kernels in the interpreter: float64 oracle, poisoned outputs, row invariance,
-the multi-block path, alignment copies, bad inputs."""
+several rows per program, the multi-block path, alignment copies, bad inputs and configs,
+and the sm_90 compile of the default configs."""
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_fused_in_place_update_of_the_residual_stream():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_block_path_matches_fp64(monkeypatch, dtype):
     monkeypatch.setattr(rn, "_MAX_BLOCK", 32)
-    assert rn.rms_norm_config(100)[:2] == (32, 4)
+    assert rn.rms_norm_blocks(100) == (32, 4)
     x, res, w = _inputs(17, 100, dtype, seed=11)
     y = torch.full((17, 100), float("nan"), dtype=dtype)
     rn.rms_norm(x, w, EPS, out=y)
@@ -103,6 +104,151 @@ def test_rows_do_not_depend_on_batch_size(monkeypatch, max_block, sizes):
             assert torch.equal(y[i], alone[i][0]), (t, i)
             assert torch.equal(fy[i], alone_f[i][0][0]), (t, i)
             assert torch.equal(fr[i], alone_f[i][1][0]), (t, i)
+
+
+# ----------------------------------------------------------------------------- configs
+
+CONFIGS = [rn.RmsNormConfig(1, 1), rn.RmsNormConfig(2, 4), rn.RmsNormConfig(4, 2),
+           rn.RmsNormConfig(8, 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"r{c.rows}w{c.num_warps}")
+@pytest.mark.parametrize("t,h", [(7, 100), (13, 37)])  # T not a multiple of the rows
+def test_configs_match_fp64(t, h, cfg, dtype):
+    x, res, w = _inputs(t, h, dtype, seed=t * 31 + h + cfg.rows)
+    y = torch.full((t, h), float("nan"), dtype=dtype)
+    rn.rms_norm(x, w, EPS, out=y, config=cfg)
+    assert not y.isnan().any()
+    assert _rel(y, _oracle(x, w, EPS)) < TOL[dtype]
+    fy = torch.full((t, h), float("nan"), dtype=dtype)
+    fr = torch.full((t, h), float("nan"), dtype=dtype)
+    rn.fused_add_rms_norm(x, res, w, EPS, out=fy, residual_out=fr, config=cfg)
+    want_r = _interpreter_round(x.float() + res.float(), dtype)
+    assert torch.equal(fr, want_r)
+    assert not fy.isnan().any()
+    assert _rel(fy, _oracle(want_r, w, EPS)) < TOL[dtype]
+
+
+# The multi-block path (forced by a small _MAX_BLOCK) once, to keep the interpreter fast.
+@pytest.mark.parametrize("rows,max_block", [(1, None), (2, None), (4, None), (4, 32)])
+def test_row_alone_equals_row_in_batch_for_each_config(monkeypatch, rows, max_block):
+    """Row i of an M-row call has the bits of row i called alone (M = 1), whatever the rows
+    per program; also through the multi-block path."""
+    if max_block:
+        monkeypatch.setattr(rn, "_MAX_BLOCK", max_block)
+    cfg = rn.RmsNormConfig(rows, 4)
+    x, res, w = _inputs(33, 72, torch.float16, seed=rows)
+    # Every place in a program and in a partly masked last program, for every M below.
+    check = [*range(7), 16, 31, 32]
+    alone = {i: rn.rms_norm(x[i:i + 1], w, EPS, config=cfg) for i in check}
+    alone_f = {i: rn.fused_add_rms_norm(x[i:i + 1], res[i:i + 1], w, EPS, config=cfg)
+               for i in check}
+    for m in (2, 3, 7, 33):
+        y = rn.rms_norm(x[:m], w, EPS, config=cfg)
+        fy, fr = rn.fused_add_rms_norm(x[:m], res[:m], w, EPS, config=cfg)
+        for i in (i for i in check if i < m):
+            assert torch.equal(y[i], alone[i][0]), (m, i)
+            assert torch.equal(fy[i], alone_f[i][0][0]), (m, i)
+            assert torch.equal(fr[i], alone_f[i][1][0]), (m, i)
+
+
+@pytest.mark.parametrize("max_block", [None, 32])
+def test_in_place_update_with_several_rows_per_program(monkeypatch, max_block):
+    if max_block:
+        monkeypatch.setattr(rn, "_MAX_BLOCK", max_block)
+    cfg = rn.RmsNormConfig(4, 4)
+    x, res, w = _inputs(7, 100, torch.float32, seed=21)
+    want_y, want_r = rn.fused_add_rms_norm(x, res, w, EPS, config=cfg)
+    xi, ri = x.clone(), res.clone()
+    rn.fused_add_rms_norm(xi, ri, w, EPS, out=xi, residual_out=ri, config=cfg)
+    assert torch.equal(xi, want_y) and torch.equal(ri, want_r)
+    xi = x.clone()
+    rn.rms_norm(xi, w, EPS, out=xi, config=cfg)
+    assert torch.equal(xi, rn.rms_norm(x, w, EPS, config=cfg))
+
+
+def test_default_config_is_valid_and_depends_on_h_only():
+    for h in [*range(1, 300, 7), 1024, 3072, 4096, 8192, 8193, 20000, 151936]:
+        block, num_blocks = rn.rms_norm_blocks(h)
+        assert block * (num_blocks - 1) < h <= block * num_blocks
+        cfg = rn.rms_norm_config(h)
+        assert rn.check_rms_norm_config(cfg, h) is cfg
+        assert cfg.rows == 1 or num_blocks == 1  # wide rows: one row per program
+    # Programs move tens of KB at the model widths measured on the H200.
+    assert rn.rms_norm_config(1024).rows * 1024 >= 4096
+    assert rn.rms_norm_config(3072).rows * 3072 >= 4096
+
+
+def test_bad_configs_raise_value_error_naming_the_argument():
+    x, res, w = _inputs(3, 64, torch.float32, seed=2)
+    cases = [
+        ((2, 4), "config must be an RmsNormConfig, got tuple"),
+        (rn.RmsNormConfig(3, 4), r"config.rows must be a power of two in \[1, 64\], got 3"),
+        (rn.RmsNormConfig(0, 4), "config.rows must be a power of two"),
+        (rn.RmsNormConfig(128, 4), "config.rows must be a power of two"),
+        (rn.RmsNormConfig(2.0, 4), "config.rows must be a power of two"),
+        (rn.RmsNormConfig(True, 4), "config.rows must be a power of two"),
+        (rn.RmsNormConfig(2, 6), r"config.num_warps must be a power of two in \[1, 32\], got 6"),
+        (rn.RmsNormConfig(2, 64), "config.num_warps must be a power of two"),
+    ]
+    for cfg, match in cases:
+        with pytest.raises(ValueError, match=match):
+            rn.rms_norm(x, w, EPS, config=cfg)
+        with pytest.raises(ValueError, match=match):
+            rn.fused_add_rms_norm(x, res, w, EPS, config=cfg)
+    with pytest.raises(ValueError, match=r"config.rows is too large for H = 8192"):
+        rn.check_rms_norm_config(rn.RmsNormConfig(16, 8), 8192)
+
+
+_SM90_SCRIPT = r"""
+import json, sys
+from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
+from detlora.ops import rms_norm as rn
+
+out = []
+for h in json.loads(sys.argv[1]):
+    block, num_blocks = rn.rms_norm_blocks(h)
+    cfg = rn.rms_norm_config(h)
+    for dtype in ("*bf16", "*fp32"):
+        for fn in (rn._rms_norm_kernel, rn._fused_add_rms_norm_kernel):
+            k, _ = compile_kernel(
+                fn, dict(H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows), {},
+                num_warps=cfg.num_warps, default_ptr=dtype, int_types={"eps": "fp32"},
+                div16=("stride_x", "stride_r", "stride_y", "stride_ro"))
+            ptx = k.asm["ptx"]
+            out.append({"H": h, "dtype": dtype, "kernel": fn.__name__,
+                        "spills": ptxas_spills(ptx), "ptx": ptx_summary(ptx),
+                        "v4_loads": len([ln for ln in ptx.splitlines()
+                                         if "ld.global" in ln and ".v4." in ln])})
+print(json.dumps(out))
+"""
+
+
+def test_default_configs_compile_for_sm90_without_spills():
+    """The GPU path, checked without a GPU: Triton compiles the default tilings for sm_90."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton's bundled ptxas is missing")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps([1024, 3072])],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 8
+    for r in results:
+        # No spills, and x (and the residual) are read in 16-byte vectors.
+        assert r["spills"] == 0 and r["v4_loads"] > 0, r
 
 
 def test_misaligned_views_go_through_aligned_copies():

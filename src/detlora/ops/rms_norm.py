@@ -9,22 +9,32 @@ Semantics:
     fused_add_rms_norm(x, residual, weight, eps) returns (rms_norm(r), r) with
     r = (x.float() + residual.float()).to(x.dtype), the new residual stream.
 
-    Batch invariance: each row is reduced by one program with a block size fixed per H, so a
-    row's bits never depend on T.
+    Batch invariance: each row is reduced in an order fixed by H (through BLOCK and the
+    default ``RmsNormConfig``), so a row's bits never depend on T. An explicit ``config=``
+    may change the bits, for every T alike.
 
 Kernels (``rms_norm``, ``fused_add_rms_norm``):
-    One program per row. A row of H <= 8192 is one register tile of BLOCK = next power of two
-    >= H; its sum of squares is one ``tl.sum`` whose tree is fixed by H through BLOCK and the
-    warp count. Wider rows are walked in fixed BLOCK-sized blocks: an fp32 vector adds block
-    after block elementwise, then one ``tl.sum``. Operands whose rows are not 16-byte aligned
-    the way a fresh contiguous tensor's are go through an aligned copy
+    Each program handles ROWS consecutive rows as one [ROWS, BLOCK] register tile and sums
+    each row with ``tl.sum(axis=1)``; rows past T are masked. One row of a few KB is too
+    little work for a program: at many rows the GPU then holds too few bytes in flight to
+    reach HBM bandwidth, so ROWS is chosen to give a program tens of KB to move. By default
+    ROWS and the warp count come from H alone (``rms_norm_config``), never from T, because
+    together with BLOCK and the dtype they set the register layout and so the ``tl.sum``
+    tree: that tree is fixed by H. Rows never share a sum, and row 0 of a one-row call runs
+    the same code as row i of a large call.
+    A row of H <= 8192 is one tile of BLOCK = next power of two >= H. Wider rows are walked in
+    fixed BLOCK-sized blocks: an fp32 [ROWS, BLOCK] tile adds block after block elementwise,
+    then one ``tl.sum`` (one row per program by default). Operands whose rows are not 16-byte
+    aligned the way a fresh contiguous tensor's are go through an aligned copy
     (``detlora.ops.reductions.canonical_rows``), because Triton specializes a kernel on
-    pointer alignment and the layout it then picks decides the ``tl.sum`` tree.
+    pointer alignment and the layout it then picks decides the ``tl.sum`` tree; T is passed
+    unspecialized for the same reason.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +46,9 @@ from detlora.ops.reductions import canonical_out, canonical_rows, finish_out
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_BLOCK = 8192  # widest row held in registers in one tile; wider rows loop over blocks
+_TILE = 8192  # elements of x a program holds by default (rows x BLOCK)
+_MAX_DEFAULT_ROWS = 16  # short rows (q/k norms of H 128) stop here
+_MAX_ROWS, _MAX_WARPS, _MAX_TILE = 64, 32, 65536  # what an explicit config may ask for
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,56 +68,68 @@ def fused_add_rms_norm_ref(
 
 
 @triton.jit
-def _normalize_store(x, inv_rms, w_ptr, y_row, o, ok):
-    """y = (x * inv_rms) * w, in the reference's order; x is fp32."""
-    w = tl.load(w_ptr + o, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(y_row + o, (x * inv_rms * w).to(y_row.dtype.element_ty), mask=ok)
+def _inv_rms(sum_sq, eps, H: tl.constexpr):
+    """1 / sqrt(mean + eps) per row; the mean is correctly rounded, as torch's."""
+    return tl.rsqrt(tl.div_rn(sum_sq, H) + eps)
 
 
 @triton.jit
+def _normalize_store(x, inv_rms, w_ptr, y_rows, o, ok, H: tl.constexpr):
+    """y = (x * inv_rms) * w, in the reference's order; x is an fp32 [ROWS, BLOCK] tile."""
+    # One weight load per program, shared by its rows.
+    w = tl.load(w_ptr + o, mask=o < H, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    y = x * inv_rms[:, None] * w[None, :]
+    tl.store(y_rows + o[None, :], y.to(y_rows.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    n_rows,
     stride_x,
     stride_y,
     eps,
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    y_row = y_ptr + row * stride_y
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < n_rows)[:, None]
+    x_rows = x_ptr + rows[:, None] * stride_x
+    y_rows = y_ptr + rows[:, None] * stride_y
     offs = tl.arange(0, BLOCK)
     if NUM_BLOCKS == 1:
-        ok = offs < H
-        x = tl.load(x_row + offs, mask=ok, other=0.0, eviction_policy="evict_first")
+        ok = row_ok & (offs < H)[None, :]
+        x = tl.load(x_rows + offs[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         x = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.div_rn(tl.sum(x * x, axis=0), H) + eps)
-        _normalize_store(x, inv_rms, w_ptr, y_row, offs, ok)
+        inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, H)
+        _normalize_store(x, inv_rms, w_ptr, y_rows, offs, ok, H)
     else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for b in range(NUM_BLOCKS):
             o = b * BLOCK + offs
-            ok = o < H
-            x = tl.load(x_row + o, mask=ok, other=0.0).to(tl.float32)
+            ok = row_ok & (o < H)[None, :]
+            x = tl.load(x_rows + o[None, :], mask=ok, other=0.0).to(tl.float32)
             acc += x * x
-        inv_rms = tl.rsqrt(tl.div_rn(tl.sum(acc, axis=0), H) + eps)
+        inv_rms = _inv_rms(tl.sum(acc, axis=1), eps, H)
         for b in range(NUM_BLOCKS):
             o = b * BLOCK + offs
-            ok = o < H
-            x = tl.load(x_row + o, mask=ok, other=0.0, eviction_policy="evict_first")
-            _normalize_store(x.to(tl.float32), inv_rms, w_ptr, y_row, o, ok)
+            ok = row_ok & (o < H)[None, :]
+            x = tl.load(x_rows + o[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+            _normalize_store(x.to(tl.float32), inv_rms, w_ptr, y_rows, o, ok, H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _fused_add_rms_norm_kernel(
     x_ptr,
     res_ptr,
     w_ptr,
     y_ptr,
     res_out_ptr,
+    n_rows,
     stride_x,
     stride_r,
     stride_y,
@@ -113,53 +138,98 @@ def _fused_add_rms_norm_kernel(
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    r_row = res_ptr + row * stride_r
-    y_row = y_ptr + row * stride_y
-    ro_row = res_out_ptr + row * stride_ro
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < n_rows)[:, None]
+    x_rows = x_ptr + rows[:, None] * stride_x
+    r_rows = res_ptr + rows[:, None] * stride_r
+    y_rows = y_ptr + rows[:, None] * stride_y
+    ro_rows = res_out_ptr + rows[:, None] * stride_ro
     offs = tl.arange(0, BLOCK)
     if NUM_BLOCKS == 1:
-        ok = offs < H
-        x = tl.load(x_row + offs, mask=ok, other=0.0, eviction_policy="evict_first")
-        r = tl.load(r_row + offs, mask=ok, other=0.0, eviction_policy="evict_first")
+        ok = row_ok & (offs < H)[None, :]
+        x = tl.load(x_rows + offs[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+        r = tl.load(r_rows + offs[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         # The new residual is rounded to x's dtype before it is normalized (the semantics).
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(ro_row + offs, s.to(res_out_ptr.dtype.element_ty), mask=ok)
+        tl.store(ro_rows + offs[None, :], s.to(res_out_ptr.dtype.element_ty), mask=ok)
         sf = s.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.div_rn(tl.sum(sf * sf, axis=0), H) + eps)
-        _normalize_store(sf, inv_rms, w_ptr, y_row, offs, ok)
+        inv_rms = _inv_rms(tl.sum(sf * sf, axis=1), eps, H)
+        _normalize_store(sf, inv_rms, w_ptr, y_rows, offs, ok, H)
     else:
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for b in range(NUM_BLOCKS):
             o = b * BLOCK + offs
-            ok = o < H
-            x = tl.load(x_row + o, mask=ok, other=0.0)
-            r = tl.load(r_row + o, mask=ok, other=0.0)
+            ok = row_ok & (o < H)[None, :]
+            x = tl.load(x_rows + o[None, :], mask=ok, other=0.0)
+            r = tl.load(r_rows + o[None, :], mask=ok, other=0.0)
             s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(ro_row + o, s.to(res_out_ptr.dtype.element_ty), mask=ok)
+            tl.store(ro_rows + o[None, :], s.to(res_out_ptr.dtype.element_ty), mask=ok)
             sf = s.to(tl.float32)
             acc += sf * sf
-        inv_rms = tl.rsqrt(tl.div_rn(tl.sum(acc, axis=0), H) + eps)
+        inv_rms = _inv_rms(tl.sum(acc, axis=1), eps, H)
         # Pass 2 reads the new residual back: it may alias the old one (in-place use), and
         # other threads of this program wrote parts of it, hence the barrier.
         tl.debug_barrier()
         for b in range(NUM_BLOCKS):
             o = b * BLOCK + offs
-            ok = o < H
-            s = tl.load(ro_row + o, mask=ok, other=0.0, eviction_policy="evict_first")
-            _normalize_store(s.to(tl.float32), inv_rms, w_ptr, y_row, o, ok)
+            ok = row_ok & (o < H)[None, :]
+            s = tl.load(ro_rows + o[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+            _normalize_store(s.to(tl.float32), inv_rms, w_ptr, y_rows, o, ok, H)
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class RmsNormConfig:
+    """How rows are spread over programs: ``rows`` consecutive rows per program (a power of
+    two), ``num_warps`` warps each.
+
+    Part of what fixes a row's bits (with BLOCK and the dtype it sets the ``tl.sum`` tree), so
+    it must not follow T: the default, :func:`rms_norm_config`, is a function of H alone.
+    """
+
+    rows: int
+    num_warps: int
+
+
+def rms_norm_blocks(hidden: int) -> tuple[int, int]:
+    """(BLOCK, NUM_BLOCKS): a row of ``hidden`` elements is NUM_BLOCKS blocks of BLOCK."""
+    block = min(next_power_of_2(hidden), _MAX_BLOCK)
+    return block, cdiv(hidden, block)
+
+
+def rms_norm_config(hidden: int) -> RmsNormConfig:
+    """The default tiling for rows of ``hidden`` elements: a function of H only.
+
+    Enough rows that a program's tile holds 8192 elements (at most 16 rows), and a warp per
+    1024 of them (32 a thread), at most 8. In bf16, H 1024: 8 rows, 16 KB read and 16 KB
+    written per program; H 3072 (BLOCK 4096): 2 rows, 12 KB + 12 KB; H >= 8192: one row.
+    A first guess; ``detlora.study.bench_rowwise.rms_norm_sweep`` measures the alternatives.
+    """
+    block, _ = rms_norm_blocks(hidden)
+    rows = min(_MAX_DEFAULT_ROWS, max(1, _TILE // block))
+    return RmsNormConfig(rows=rows, num_warps=min(8, max(1, rows * block // 1024)))
+
+
+def check_rms_norm_config(config: object, hidden: int) -> RmsNormConfig:
+    """``config`` when it is a valid tiling for rows of ``hidden`` elements, else ValueError."""
+    if not isinstance(config, RmsNormConfig):
+        raise ValueError(f"config must be an RmsNormConfig, got {type(config).__name__}")
+    for name, hi in (("rows", _MAX_ROWS), ("num_warps", _MAX_WARPS)):
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two in [1, {hi}], got {v!r}")
+    block, _ = rms_norm_blocks(hidden)
+    if config.rows * block > _MAX_TILE:
+        raise ValueError(f"config.rows is too large for H = {hidden}: rows * BLOCK = "
+                         f"{config.rows} * {block} exceeds {_MAX_TILE} elements")
+    return config
 
 
 # ----------------------------------------------------------------------------- wrappers
-
-
-def rms_norm_config(hidden: int) -> tuple[int, int, int]:
-    """(BLOCK, NUM_BLOCKS, num_warps) for rows of ``hidden`` elements: a function of H only."""
-    block = min(next_power_of_2(hidden), _MAX_BLOCK)
-    # 16 elements a thread per block (two 16-byte loads in bf16), at most 8 warps.
-    return block, cdiv(hidden, block), min(8, max(1, block // 512))
 
 
 def _check_eps(eps: float) -> float:
@@ -190,12 +260,18 @@ def _check_weight(weight: object, hidden: int) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    config: RmsNormConfig | None = None,
 ) -> torch.Tensor:
     """RMSNorm of every row of ``x`` [T, H] (see the module docstring); returns ``out``.
 
     ``out`` ([T, H], x's dtype) is written in full and may be ``x`` itself. A row's bits
-    depend on its values, ``weight``, ``eps`` and H, never on T.
+    depend on its values, ``weight``, ``eps``, H and ``config`` (default
+    ``rms_norm_config(H)``), never on T.
     """
     x = _check_rows("x", x)
     t, h = x.shape
@@ -204,14 +280,15 @@ def rms_norm(
     if out is not None:
         _check_out("out", out, x)
     check_same_device(x=x, weight=weight, **({} if out is None else {"out": out}))
-    block, num_blocks, num_warps = rms_norm_config(h)
+    cfg = check_rms_norm_config(rms_norm_config(h) if config is None else config, h)
+    block, num_blocks = rms_norm_blocks(h)
     # A misaligned out is written through an aligned temporary (module docstring).
     dst = canonical_out(out, (t, h), x)
     xc = canonical_rows(x)
-    _rms_norm_kernel[(t,)](
+    _rms_norm_kernel[(cdiv(t, cfg.rows),)](
         xc, canonical_rows(weight), dst,
-        xc.stride(0), dst.stride(0), eps,
-        H=h, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps,
+        t, xc.stride(0), dst.stride(0), eps,
+        H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows, num_warps=cfg.num_warps,
     )
     return finish_out(out, dst)
 
@@ -224,12 +301,13 @@ def fused_add_rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    config: RmsNormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(r), r)`` with ``r = x + residual`` rounded to x's dtype, in one pass.
 
     ``out`` and ``residual_out`` ([T, H], x's dtype) are written in full; ``out`` may be
     ``x`` and ``residual_out`` may be ``residual`` (in-place update of the residual stream),
-    but they must not be the same tensor.
+    but they must not be the same tensor. ``config`` as for :func:`rms_norm`.
     """
     x = _check_rows("x", x)
     t, h = x.shape
@@ -246,21 +324,25 @@ def fused_add_rms_norm(
     if out is not None and residual_out is not None and out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must be different tensors")
     check_same_device(x=x, residual=residual, weight=weight, **outs)
-    block, num_blocks, num_warps = rms_norm_config(h)
+    cfg = check_rms_norm_config(rms_norm_config(h) if config is None else config, h)
+    block, num_blocks = rms_norm_blocks(h)
     y, r = canonical_out(out, (t, h), x), canonical_out(residual_out, (t, h), x)
     xc, rc = canonical_rows(x), canonical_rows(residual)
-    _fused_add_rms_norm_kernel[(t,)](
+    _fused_add_rms_norm_kernel[(cdiv(t, cfg.rows),)](
         xc, rc, canonical_rows(weight), y, r,
-        xc.stride(0), rc.stride(0), y.stride(0), r.stride(0), eps,
-        H=h, BLOCK=block, NUM_BLOCKS=num_blocks, num_warps=num_warps,
+        t, xc.stride(0), rc.stride(0), y.stride(0), r.stride(0), eps,
+        H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows, num_warps=cfg.num_warps,
     )
     return finish_out(out, y), finish_out(residual_out, r)
 
 
 __all__ = [
+    "RmsNormConfig",
+    "check_rms_norm_config",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "rms_norm",
+    "rms_norm_blocks",
     "rms_norm_config",
     "rms_norm_ref",
 ]

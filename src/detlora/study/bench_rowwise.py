@@ -9,6 +9,9 @@ and log-softmax against the bandwidth floor and a device-to-device copy of the s
                 ``copy_`` moving the same bytes) or "floor" (bytes moved / 4.3e12 B/s).
     targets     the fraction of the floor that rms_norm and fused_add_rms_norm reach at
                 M >= 256 (target: >= 0.8).
+
+``rms_norm_sweep()`` (not part of ``run()``) times both RMSNorm ops over a grid of
+``RmsNormConfig`` tilings, to choose ``rms_norm_config``'s defaults.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ import torch
 
 from detlora.ops.embedding import embedding
 from detlora.ops.reductions import argmax, mean
-from detlora.ops.rms_norm import fused_add_rms_norm, rms_norm
+from detlora.ops.rms_norm import (
+    RmsNormConfig,
+    check_rms_norm_config,
+    fused_add_rms_norm,
+    rms_norm,
+    rms_norm_config,
+)
 from detlora.ops.rotary import rope_cos_sin_cache, rotary
 from detlora.ops.silu_and_mul import silu_and_mul
 from detlora.ops.softmax import log_softmax, softmax
@@ -32,6 +41,10 @@ BATCH_SIZES = (2, 3, 7, 16, 64, 128, 257, 1024, 4096)
 ROWS_CHECKED = 32
 LATENCY_MS = (1, 4, 16, 64, 256, 1024, 4096)
 SOFTMAX_MS = (1, 64, 256)
+SWEEP_HIDDENS = (1024, 3072)
+SWEEP_MS = (1024, 4096)
+SWEEP_ROWS = (1, 2, 4, 8)
+SWEEP_WARPS = (1, 2, 4, 8)
 EPS = 1e-5
 DTYPE = torch.bfloat16
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
@@ -189,7 +202,6 @@ def rms_norm_latency_rows(hiddens: Sequence[int] = (3072, 1024),
                           log: Callable[[str], None] = print) -> list[dict]:
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    elt = torch.finfo(DTYPE).bits // 8
     for h in hiddens:
         w = _randn(gen, h) + 1
         for m in ms:
@@ -206,10 +218,78 @@ def rms_norm_latency_rows(hiddens: Sequence[int] = (3072, 1024),
                 "detlora": (make, lambda s, w=w: fused_add_rms_norm(
                     s[0], s[1], w, EPS, out=s[2], residual_out=s[3])),
             }
-            rows += _latency_point("rms_norm", f"H={h}", m, (2 * m * h + h) * elt, plain, log)
-            rows += _latency_point("fused_add_rms_norm", f"H={h}", m, (4 * m * h + h) * elt,
-                                   fused, log)
+            moved = _rms_bytes(m, h)
+            rows += _latency_point("rms_norm", f"H={h}", m, moved["rms_norm"], plain, log)
+            rows += _latency_point("fused_add_rms_norm", f"H={h}", m,
+                                   moved["fused_add_rms_norm"], fused, log)
     return rows
+
+
+def _rms_bytes(m: int, h: int) -> dict[str, int]:
+    """Bytes each op moves: x (and residual) read, y (and the new residual) written, weight."""
+    elt = torch.finfo(DTYPE).bits // 8
+    return {"rms_norm": (2 * m * h + h) * elt, "fused_add_rms_norm": (4 * m * h + h) * elt}
+
+
+def _valid(cfg: RmsNormConfig, h: int) -> bool:
+    try:
+        check_rms_norm_config(cfg, h)
+    except ValueError:
+        return False
+    return True
+
+
+def rms_norm_sweep(
+    hiddens: Sequence[int] = SWEEP_HIDDENS, ms: Sequence[int] = SWEEP_MS,
+    rows: Sequence[int] = SWEEP_ROWS, warps: Sequence[int] = SWEEP_WARPS,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Latency of rms_norm and fused_add_rms_norm for every valid ``RmsNormConfig(r, w)``
+    with r in ``rows`` and w in ``warps`` (plus the current default), timed as the latency
+    rows are: {"op", "H", "M", "rows", "num_warps", "us", "floor_us"}.
+
+    Every config of one (H, M) runs on the same rotating input sets, side by side.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("the RMSNorm config sweep needs a CUDA GPU")
+    results: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for h in hiddens:
+        w = _randn(gen, h) + 1
+        default = rms_norm_config(h)
+        configs = [default] + [RmsNormConfig(r, nw) for r in rows for nw in warps
+                               if RmsNormConfig(r, nw) != default]
+        configs = [c for c in configs if _valid(c, h)]
+        for m in ms:
+            moved = _rms_bytes(m, h)
+            # Enough sets for the smaller op keeps the larger one out of L2 too.
+            sets = [(_randn(gen, m, h), _randn(gen, m, h),
+                     torch.empty(m, h, dtype=DTYPE, device="cuda"),
+                     torch.empty(m, h, dtype=DTYPE, device="cuda"))
+                    for _ in range(input_sets_for(moved["rms_norm"]))]
+            calls = {
+                "rms_norm": lambda s, c, w=w: rms_norm(s[0], w, EPS, out=s[2], config=c),
+                "fused_add_rms_norm": lambda s, c, w=w: fused_add_rms_norm(
+                    s[0], s[1], w, EPS, out=s[2], residual_out=s[3], config=c),
+            }
+            for op, call in calls.items():
+                floor = round(moved[op] / HBM_BYTES_PER_S * 1e6, 3)
+                timed = []
+                for cfg in configs:
+                    us = time_graph_us([(lambda s=s, c=cfg, f=call: f(s, c)) for s in sets])
+                    row = {"op": op, "H": h, "M": m, "rows": cfg.rows,
+                           "num_warps": cfg.num_warps, "us": round(us, 3), "floor_us": floor}
+                    timed.append(row)
+                    log(f"sweep {op:20s} H={h:5d} M={m:5d} rows={cfg.rows} "
+                        f"warps={cfg.num_warps} {us:7.2f} us (floor {floor:.2f}, "
+                        f"{floor / us:.1%}){' default' if cfg == default else ''}")
+                best = min(timed, key=lambda r: r["us"])
+                log(f"sweep {op:20s} H={h:5d} M={m:5d} best rows={best['rows']} "
+                    f"warps={best['num_warps']} {best['us']:.2f} us")
+                results += timed
+            del sets
+            torch.cuda.empty_cache()
+    return results
 
 
 def log_softmax_latency_rows(vocab: int = 128256, ms: Sequence[int] = SOFTMAX_MS,
@@ -264,4 +344,5 @@ def run(log: Callable[[str], None] = print) -> dict:
     return result
 
 
-__all__ = ["RowCase", "invariance_cases", "invariance_rows", "run", "targets"]
+__all__ = ["RowCase", "invariance_cases", "invariance_rows", "rms_norm_sweep", "run",
+           "targets"]
