@@ -337,23 +337,9 @@ def _mm_split_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == num_chunks - 1:
-            # Four partials' loads in flight at a time (one after another, each L2 round trip
-            # sat on the tile's critical path), then added in chunk order; a slot past the
-            # last chunk is skipped, not added as +0.0 (which would turn a -0.0 total into
-            # +0.0 and part from the persistent path's bits).
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s0 in range(0, num_chunks, 4):
-                p0 = tl.load(parts + s0 * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-                p1 = tl.load(parts + (s0 + 1) * (BLOCK_M * BLOCK_N),
-                             mask=(s0 + 1 < num_chunks) & (local >= 0), cache_modifier=".cg")
-                p2 = tl.load(parts + (s0 + 2) * (BLOCK_M * BLOCK_N),
-                             mask=(s0 + 2 < num_chunks) & (local >= 0), cache_modifier=".cg")
-                p3 = tl.load(parts + (s0 + 3) * (BLOCK_M * BLOCK_N),
-                             mask=(s0 + 3 < num_chunks) & (local >= 0), cache_modifier=".cg")
-                total += p0
-                total = tl.where(s0 + 1 < num_chunks, total + p1, total)
-                total = tl.where(s0 + 2 < num_chunks, total + p2, total)
-                total = tl.where(s0 + 3 < num_chunks, total + p3, total)
+            for s in range(0, num_chunks):
+                total += tl.load(parts + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
             _store_tile(c_ptr, bias_ptr, total, batch, off_m, off_n, M, N, stride_cb, stride_cm,
                         stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
             tl.store(counter_ptr + tile, 0)  # self-reset: no init launch next call

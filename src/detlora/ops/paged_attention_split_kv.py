@@ -109,13 +109,15 @@ def _split_kv_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     den = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    # Pages read a block ahead only when the KV axis is split: few query tiles, so each CTA's
+    # latency is what counts (see attend_blocks).
     m, den, acc = attend_blocks(
         m, den, acc, q,
         k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
         v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
         blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-        stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT,
     )
     if SPLIT:
         # Every split stores, empty ones too (max -inf, sum 0), so the combine reads them all.

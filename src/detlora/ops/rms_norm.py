@@ -15,9 +15,9 @@ Semantics:
 
 Kernels (``rms_norm``, ``fused_add_rms_norm``):
     Each program handles ROWS consecutive rows as one [ROWS, BLOCK] register tile and sums
-    each row with ``tl.sum(axis=1)``; rows past T are masked. One row of a few KB is too
-    little work for a program: at many rows the GPU then holds too few bytes in flight to
-    reach HBM bandwidth, so ROWS is chosen to give a program tens of KB to move. By default
+    each row with ``tl.sum(axis=1)``; rows past T are masked. Short rows (H <= 1024) share a
+    program so that it moves a few KB at least; on the H200 more rows than that measured no
+    faster (``rms_norm_config``). By default
     ROWS and the warp count come from H alone (``rms_norm_config``), never from T, because
     together with BLOCK and the dtype they set the register layout and so the ``tl.sum``
     tree: that tree is fixed by H. Rows never share a sum, and row 0 of a one-row call runs
@@ -46,7 +46,7 @@ from detlora.ops.reductions import canonical_out, canonical_rows, finish_out
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_BLOCK = 8192  # widest row held in registers in one tile; wider rows loop over blocks
-_TILE = 8192  # elements of x a program holds by default (rows x BLOCK)
+_TILE = 2048  # elements of x a program holds by default at least (rows x BLOCK)
 _MAX_DEFAULT_ROWS = 16  # short rows (q/k norms of H 128) stop here
 _MAX_ROWS, _MAX_WARPS, _MAX_TILE = 64, 32, 65536  # what an explicit config may ask for
 
@@ -204,14 +204,15 @@ def rms_norm_blocks(hidden: int) -> tuple[int, int]:
 def rms_norm_config(hidden: int) -> RmsNormConfig:
     """The default tiling for rows of ``hidden`` elements: a function of H only.
 
-    Enough rows that a program's tile holds 8192 elements (at most 16 rows), and a warp per
-    1024 of them (32 a thread), at most 8. In bf16, H 1024: 8 rows, 16 KB read and 16 KB
-    written per program; H 3072 (BLOCK 4096): 2 rows, 12 KB + 12 KB; H >= 8192: one row.
-    A first guess; ``detlora.study.bench_rowwise.rms_norm_sweep`` measures the alternatives.
+    Rows up to a 2048-element tile (at most 16), a warp per 512 elements (16 a thread), at
+    most 8: H 1024 gets 2 rows and 4 warps, H 3072 (BLOCK 4096) and wider one row and 8 warps.
+    Measured on the H200 (benchmarks/results/rms_norm_sweep.json, M 1024 and 4096, both ops):
+    these are the fastest or within 2% of the fastest of rows 1-8 x warps 1-8; more rows per
+    program did not bring either op closer to the bandwidth floor.
     """
     block, _ = rms_norm_blocks(hidden)
     rows = min(_MAX_DEFAULT_ROWS, max(1, _TILE // block))
-    return RmsNormConfig(rows=rows, num_warps=min(8, max(1, rows * block // 1024)))
+    return RmsNormConfig(rows=rows, num_warps=min(8, max(1, rows * block // 512)))
 
 
 def check_rms_norm_config(config: object, hidden: int) -> RmsNormConfig:
