@@ -269,10 +269,13 @@ def attend_blocks(
     PREFETCH_PAGES reads each block's pages one iteration ahead and carries them into the
     loop: a K/V load whose address comes from a load of the same iteration is pipelined one
     block deep only (Triton 3.6 then waits for every copy at each block). It deepens the
-    pipeline (one more K/V buffer) and never changes the arithmetic. Measured on the H200
-    (attention_tile_sweep.json, exp_decode_tile.json): the batch-invariant kernel gains at
-    every shape (batch 1, 8k: 28 -> 24 us); the split-KV kernel gains when it splits (batch 1,
-    8k: 19.2 -> 17.6 us) and loses at batch 64 (1k: 72 -> 86 us).
+    pipeline (one more K/V buffer, so fewer CTAs fit on an SM) and never changes the
+    arithmetic. Both kernels use it only when the KV axis is split over CTAs, i.e. when query
+    tiles are few and each CTA's latency is what counts. Measured on the H200
+    (benchmarks/results/attention_prefetch.json): with it, batch 1 at 8k runs 28 -> 24 us
+    (batch-invariant) and 19.2 -> 17.6 us (split-KV); without a split it cost the split-KV
+    kernel 72 -> 86 us at batch 64, 1k, and the batch-invariant one 26.7 -> 28.1 us per layer
+    in the engine's batch-64 decode (contexts of about 128).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -438,7 +441,7 @@ def _paged_attention_kernel(
         m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, blk_lo,
                                     blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
                                     stride_kb, stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                    HEAD_DIM, DOT_PRECISION)
+                                    HEAD_DIM, DOT_PRECISION, SPLIT)
         if SPLIT:
             idx = (tl.full((), 0, tl.int64) + seg) * part_stride + part_row
             tl.store(part_ml_ptr + 2 * idx, m, mask=row_ok)
