@@ -260,28 +260,12 @@ print(json.dumps(out))
 """
 
 
-def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills():
+def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_compile):
     """The GPU path, checked without a GPU: Triton compiles the kernels for sm_90 (H100/H200)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("triton's bundled ptxas is missing")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
     # Decode of o_proj (split over CTAs, ordered reduce), prefill of o_proj (S > 1: 128x128,
     # two accumulators) and of qkv (S = 1: 128x256).
     shapes = [[1, 3072, 3072], [4096, 3072, 3072], [4096, 5120, 3072]]
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(shapes)], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    decode, prefill_multi, prefill_single = json.loads(proc.stdout.strip().splitlines()[-1])
+    decode, prefill_multi, prefill_single = sm90_compile(_SM90_SCRIPT, shapes)
     for r in (decode, prefill_multi, prefill_single):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads

@@ -225,26 +225,9 @@ print(json.dumps(out))
 """
 
 
-def test_default_configs_compile_for_sm90_without_spills():
+def test_default_configs_compile_for_sm90_without_spills(sm90_compile):
     """The GPU path, checked without a GPU: Triton compiles the default tilings for sm_90."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("triton's bundled ptxas is missing")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps([1024, 3072])],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = sm90_compile(_SM90_SCRIPT, [1024, 3072])
     assert len(results) == 8
     for r in results:
         # No spills, and x (and the residual) are read in 16-byte vectors.

@@ -280,26 +280,10 @@ print(json.dumps(out))
 """
 
 
-def test_filter_kernels_compile_for_sm90_with_ieee_division():
+def test_filter_kernels_compile_for_sm90_with_ieee_division(sm90_compile):
     """The GPU path, checked without a GPU: no spills, and the temperature division is
     ``div.rn.f32`` (torch's IEEE division), never ``div.full``/``div.approx``."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("triton's bundled ptxas is missing")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps([128256])], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = sm90_compile(_SM90_SCRIPT, [128256])
     assert len(results) == 12
     for r in results:
         assert r["spills"] == 0 and not r["div_other"], r
