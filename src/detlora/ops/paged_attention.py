@@ -262,7 +262,7 @@ def attend_blocks(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr = True,
+    PREFETCH_PAGES: tl.constexpr,
 ):
     """Online softmax over key blocks [blk_lo, blk_hi), in order, one update per block.
 
@@ -281,8 +281,6 @@ def attend_blocks(
     offs_d = tl.arange(0, HEAD_DIM)
     if PREFETCH_PAGES:
         next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-    else:
-        next_page = tl.zeros((BLOCK_N,), dtype=tl.int32)  # unused
     for blk in range(blk_lo, blk_hi):
         kpos = blk * BLOCK_N + offs_n
         kv_ok = kpos < ctx
