@@ -47,8 +47,8 @@ def _limits(v, unit):
 
 
 def test_config_depends_on_the_vocabulary_only():
-    assert rc.rank_cut_config(128256) == (2048, 63, 64, 256, 4)
-    assert rc.rank_cut_config(151936) == (2048, 75, 128, 256, 4)
+    assert rc.rank_cut_config(128256) == (2048, 63, 64, 128, 4)
+    assert rc.rank_cut_config(151936) == (2048, 75, 128, 128, 4)
     assert rc.rank_cut_config(5) == (8, 1, 1, 8, 1)
 
 

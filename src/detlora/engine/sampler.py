@@ -171,6 +171,8 @@ class Sampler:
     logits and its torch references otherwise (the interpreter is slow); ``kernels=True``
     always takes the kernels (on the CPU that needs ``TRITON_INTERPRET=1``: tests), ``False``
     never. Both give the same tokens (see ``detlora.ops.sampling`` on the float64 ``log``).
+    ``logits_dtype``: a 16-bit dtype in which fp32 logits are exact (the LM head's); the
+    filters then rank them in it (the same ranks and ties, half the key bits).
     """
 
     def __init__(
@@ -179,11 +181,18 @@ class Sampler:
         log_softmax: Callable[[torch.Tensor], torch.Tensor],
         *,
         kernels: bool | None = None,
+        logits_dtype: torch.dtype | None = None,
     ) -> None:
         from detlora.ops import sampling  # here, not at import: it loads Triton
 
+        if logits_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"logits_dtype must be float32, bfloat16 or float16, "
+                             f"got {logits_dtype}")
         self._ops = sampling
         self._kernels = kernels
+        # fp32 logits that are exact in a 16-bit dtype (an LM head computed in it) rank alike
+        # there: the filters then rank 16-bit keys and read half the bytes.
+        self._rank_dtype = logits_dtype if logits_dtype != torch.float32 else None
         self._argmax = argmax
         self._log_softmax = log_softmax
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -304,7 +313,10 @@ class Sampler:
             temps = dev[temp_sec].view(torch.float32)[::2]
             top_k_t = dev[top_k_sec] if top_k_sec is not None else None
             limit_t = dev[limit_sec] if limit_sec is not None else None
-            filtered = filter_logits(raw[s_sel], temps, top_k_t, limit_t,
+            rows = raw[s_sel]
+            if self._rank_dtype is not None and rows.dtype == torch.float32:
+                rows = rows.to(self._rank_dtype)  # exact: the same values, ranks and ties
+            filtered = filter_logits(rows, temps, top_k_t, limit_t,
                                      log_softmax=self._log_softmax, kernels=kernels)
             keys = dev[keys_sec].view(-1, 2)
             th = self.token_hash(vocab, device)

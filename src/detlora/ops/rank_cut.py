@@ -43,7 +43,7 @@ from detlora.ops.checks import check_same_device, check_shape, check_tensor
 _FIXED_POINT = 1 << 40  # weight unit of a probability (the sampler's top-p mass)
 _CHUNK = 2048  # tokens per program of a pass (128256 tokens: 63 chunks)
 _MAX_CHUNKS = 512  # chunk partials merged in one register tile
-_BLOCK = 256  # tokens per step inside a chunk ([BLOCK, 16] digit tiles)
+_BLOCK = 128  # tokens per step inside a chunk ([BLOCK, 16] digit tiles in registers)
 _DIGIT_BITS = 4
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -81,19 +81,22 @@ def rank_cut_ref(
 
 @triton.jit
 def _order_key(a, KEY_BITS: tl.constexpr):
-    """Unsigned int64 key in [0, 2^KEY_BITS) ordered as torch.sort orders logits: -0.0 is
-    +0.0, every NaN is above +inf. ``a`` holds the raw logits (their own dtype)."""
+    """uint32 key in [0, 2^KEY_BITS) ordered as torch.sort orders logits: -0.0 is +0.0, every
+    NaN is above +inf. ``a`` holds the raw logits (their own dtype)."""
     f = a.to(tl.float32)  # exact from bf16 / fp16
     if KEY_BITS == 16:
         b = a.to(tl.int16, bitcast=True).to(tl.int32)
-        top = 0x7FFF
+        k = tl.where(b >= 0, b, b ^ 0x7FFF)  # negatives: flip the magnitude, stay below 0
+        k = tl.where(f == 0.0, 0, k)
+        k = tl.where(f != f, 0x7FFF, k)
+        u = (k + 0x8000).to(tl.uint32, bitcast=True)
     else:
         b = a.to(tl.int32, bitcast=True)
-        top = 0x7FFFFFFF
-    k = tl.where(b >= 0, b, b ^ top)  # negatives: flip the magnitude, stay below zero
-    k = tl.where(f == 0.0, 0, k)
-    k = tl.where(f != f, top, k)
-    return k.to(tl.int64) + (1 << (KEY_BITS - 1))
+        k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+        k = tl.where(f == 0.0, 0, k)
+        k = tl.where(f != f, 0x7FFFFFFF, k)
+        u = k.to(tl.uint32, bitcast=True) ^ 0x80000000
+    return u
 
 
 @triton.jit
@@ -161,7 +164,7 @@ def _rank_cut_pass_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if PASS == 0:
-        prefix = tl.zeros([], dtype=tl.int64)
+        prefix = tl.zeros([], dtype=tl.int64)  # unused: every token is a candidate
     else:
         limit = tl.load(limit_ptr + row * stride_limit)
         prefix, above = _picked_prefix(state_ptr, cnt_ptr, wsum_ptr, row, limit, PASS,
@@ -169,38 +172,43 @@ def _rank_cut_pass_kernel(
         if chunk == 0:
             tl.store(state_ptr + (row * NUM_PASSES + PASS - 1) * 2, prefix)
             tl.store(state_ptr + (row * NUM_PASSES + PASS - 1) * 2 + 1, above)
+    # Per-(token slot, digit) sums kept in registers across the chunk's blocks and reduced
+    # once at the end: no cross-thread reduction per block.
     d = tl.arange(0, 16)
-    cnt = tl.zeros([16], dtype=tl.int32)
-    w = tl.zeros([16], dtype=tl.int64)
-    tie_cnt = tl.zeros([], dtype=tl.int32)
-    tie_w = tl.zeros([], dtype=tl.int64)
+    cnt = tl.zeros([BLOCK, 16], dtype=tl.int32)
+    w = tl.zeros([BLOCK, 16], dtype=tl.int64)
+    tie_cnt = tl.zeros([BLOCK], dtype=tl.int32)
+    tie_w = tl.zeros([BLOCK], dtype=tl.int64)
     shift = KEY_BITS - 4 * (PASS + 1)  # 4-bit digits (unused by the tie pass)
-    for b in tl.static_range(CHUNK // BLOCK):
+    match = prefix.to(tl.uint32)
+    for b in range(CHUNK // BLOCK):
         o = chunk * CHUNK + b * BLOCK + tl.arange(0, BLOCK)
         ok = o < V
         u = _order_key(tl.load(logits_ptr + row * stride_x + o, mask=ok, other=0.0), KEY_BITS)
         if PASS == NUM_PASSES:
-            tied = ok & (u == prefix)
-            tie_cnt += tl.sum(tied.to(tl.int32), axis=0)
+            tied = ok & (u == match)
+            tie_cnt += tied.to(tl.int32)
             if not UNIT:
-                tie_w += tl.sum(tl.where(tied, _weight(probs_ptr + row * stride_p, o, ok,
-                                                       UNIT), 0), axis=0)
+                tie_w += tl.where(tied, _weight(probs_ptr + row * stride_p, o, ok, UNIT), 0)
         else:
-            live = ok & ((u >> (shift + 4)) == prefix)
-            hit = live[:, None] & (((u >> shift) & 15)[:, None] == d[None, :])
-            cnt += tl.sum(hit.to(tl.int32), axis=0)
+            if PASS == 0:  # noqa: SIM108 (constexpr branches, kept as statements for Triton)
+                live = ok
+            else:
+                live = ok & ((u >> (shift + 4)) == match)
+            hit = live[:, None] & (((u >> shift) & 15).to(tl.int32)[:, None] == d[None, :])
+            cnt += hit.to(tl.int32)
             if not UNIT:
                 m = _weight(probs_ptr + row * stride_p, o, ok, UNIT)
-                w += tl.sum(tl.where(hit, m[:, None], 0), axis=0)
+                w += tl.where(hit, m[:, None], 0)
     if PASS == NUM_PASSES:
-        tl.store(tie_cnt_ptr + row * NUM_CHUNKS + chunk, tie_cnt)
+        tl.store(tie_cnt_ptr + row * NUM_CHUNKS + chunk, tl.sum(tie_cnt, axis=0))
         if not UNIT:
-            tl.store(tie_w_ptr + row * NUM_CHUNKS + chunk, tie_w)
+            tl.store(tie_w_ptr + row * NUM_CHUNKS + chunk, tl.sum(tie_w, axis=0))
     else:
         at = ((row * NUM_PASSES + PASS) * NUM_CHUNKS + chunk) * 16 + d
-        tl.store(cnt_ptr + at, cnt)
+        tl.store(cnt_ptr + at, tl.sum(cnt, axis=0))
         if not UNIT:
-            tl.store(wsum_ptr + at, w)
+            tl.store(wsum_ptr + at, tl.sum(w, axis=0))
 
 
 @triton.jit
@@ -229,7 +237,7 @@ def _rank_cut_final_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     limit = tl.load(limit_ptr + row * stride_limit)
-    key = tl.load(state_ptr + (row * NUM_PASSES + NUM_PASSES - 1) * 2)
+    key = tl.load(state_ptr + (row * NUM_PASSES + NUM_PASSES - 1) * 2).to(tl.uint32)
     above = tl.load(state_ptr + (row * NUM_PASSES + NUM_PASSES - 1) * 2 + 1)
     # The tied tokens kept are a prefix of them in id order: find the chunk holding the last
     # one (the last chunk whose first tied token starts below the limit), then walk it.
@@ -247,7 +255,7 @@ def _rank_cut_final_kernel(
     before = tl.sum(tl.where(ci == last, start, 0), axis=0)
     best = tl.full([], -1, tl.int64)
     first_tied = tl.full([], V, tl.int64)
-    for b in tl.static_range(CHUNK // BLOCK):
+    for b in range(CHUNK // BLOCK):
         o = last * CHUNK + b * BLOCK + tl.arange(0, BLOCK)
         ok = o < V
         u = _order_key(tl.load(logits_ptr + row * stride_x + o, mask=ok, other=0.0), KEY_BITS)
