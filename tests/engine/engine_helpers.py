@@ -19,11 +19,9 @@ def same_outputs(a, b) -> bool:
     return x.token_ids == y.token_ids and x.logprobs == y.logprobs
 
 
-def sort_scatter_filter(logits, temps, top_k, limit, log_softmax):
-    """Temperature, top-k and top-p by sorting x = logits / t and scattering back, all torch
-    (the sampler's first filter, with the top-p probabilities of a log_softmax in token
-    order, as ``filter_logits`` takes them): the oracle it must match where x and the logits
-    rank alike."""
+def previous_filter(logits, temps, top_k, limit, log_softmax):
+    """The sampler's filter before ``filter_logits`` (sort of x = logits / t, scatter back),
+    all torch: the oracle its replacement must match where x and the logits rank alike."""
     x = logits.float() / temps[:, None]
     if top_k is None and limit is None:
         return x
@@ -32,11 +30,9 @@ def sort_scatter_filter(logits, temps, top_k, limit, log_softmax):
     if top_k is not None:
         rank_keep = torch.arange(x.shape[1])[None, :] < top_k[:, None]
     if limit is not None:
-        x_k = x
         if rank_keep is not None:
-            token_keep = torch.empty_like(rank_keep).scatter_(1, order, rank_keep)
-            x_k = x.masked_fill(~token_keep, float("-inf"))
-        probs = torch.exp(log_softmax(x_k).float()).gather(1, order).double()
+            sorted_x = sorted_x.masked_fill(~rank_keep, float("-inf"))
+        probs = torch.exp(log_softmax(sorted_x).float()).double()
         mass = torch.floor(probs * (1 << 40)).to(torch.int64)
         keep_p = (torch.cumsum(mass, -1) - mass) < limit[:, None]
         rank_keep = keep_p if rank_keep is None else rank_keep.logical_and_(keep_p)

@@ -205,6 +205,24 @@ def test_kernels_give_the_same_results_as_the_references():
         assert _as_tuples(kernels(logits, reqs)) == _as_tuples(refs(logits, reqs))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_logits_exact_in_the_heads_dtype_rank_alike_there(dtype):
+    # The engine's LM head computes in the model's dtype and returns fp32: ranking those
+    # logits in that dtype (16-bit keys) gives the same tokens and logprobs, kernels or not.
+    rng = random.Random(2)
+    for kernels in (False, True):
+        plain, ranked = sampler(kernels=kernels), sampler(kernels=kernels, logits_dtype=dtype)
+        for _ in range(6):
+            logits, reqs = _random_batch(rng, rng.choice([7, 300]), rng.choice([1, 3, 6]))
+            logits = logits.to(dtype).float()
+            assert _as_tuples(ranked(logits, reqs)) == _as_tuples(plain(logits, reqs))
+
+
+def test_logits_dtype_must_be_a_float_dtype():
+    with pytest.raises(ValueError, match="logits_dtype must be float32, bfloat16 or float16"):
+        sampler(logits_dtype=torch.int32)
+
+
 def test_importing_the_engine_does_not_load_triton():
     # TRITON_INTERPRET must be settable after `import detlora...`: kernels load on first use.
     code = "import sys, detlora.engine.llm_engine; assert 'triton' not in sys.modules"

@@ -1,10 +1,11 @@
-"""filter_logits (temperature, top-k, top-p in token order, no sort, no scatter): the bits of
-a sort-and-scatter filter on fp32 and bf16 logits, its kernel path (interpreted Triton) equal
-to its torch reference, rows independent of the batch, and bad inputs."""
+"""filter_logits (temperature, top-k, top-p in token order, no scatter): the bits of the
+sampler's previous ``_filter`` (sort of x, then scatter) on fp32 and bf16 logits, its kernel
+path (interpreted Triton) equal to its torch reference, rows independent of the batch, and bad
+inputs."""
 
 import pytest
 import torch
-from engine_helpers import sort_scatter_filter
+from engine_helpers import previous_filter
 
 from detlora.engine.token_filter import filter_logits, filter_logits_ref
 
@@ -17,8 +18,8 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def oracle(logits, temps, top_k, limit):
-    """Sorting x and scattering back, on fp32 logits."""
-    return sort_scatter_filter(logits.float(), temps, top_k, limit, log_softmax)
+    """The sampler's previous filter, on fp32 logits."""
+    return previous_filter(logits.float(), temps, top_k, limit, log_softmax)
 
 
 def run(logits, temps, top_k, limit, kernels):
@@ -32,7 +33,7 @@ def _logits(n: int, vocab: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     -0.0 next to +0.0, a peaked row."""
     g = torch.Generator().manual_seed(seed)
     # On a 2^-16 grid: distinct values stay >= 16 ulps apart, so no two collide after the
-    # division (the oracle sorts x, the filter ranks the logits).
+    # division (the old filter sorted x, the new one sorts the logits).
     x = torch.round(torch.randn(n, vocab, generator=g) * 3 * 2**16) / 2**16
     if n > 1:
         x[1] = torch.round(x[1] * 2) / 2  # many ties: values on a grid of 0.5
@@ -76,10 +77,10 @@ def _ranks_alike(logits: torch.Tensor, temps: torch.Tensor) -> bool:
 CASES = ["top_k", "top_p", "top_p_one", "both", "temperature"]
 
 
-@pytest.mark.parametrize("kernels,vocab", [(None, 1000), (None, 5003), (False, 1000),
-                                           (False, 5003), (True, 1000)])
+@pytest.mark.parametrize("kernels", [None, False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_fp32_logits_give_the_sort_and_scatter_bits(kernels, case, vocab):
+@pytest.mark.parametrize("vocab", [1000, 5003])
+def test_fp32_logits_give_the_previous_filters_bits(kernels, case, vocab):
     logits = _logits(8, vocab, seed=vocab + len(case))
     temps, top_k, limit = _params(8, vocab, case)
     assert _ranks_alike(logits, temps)
@@ -92,8 +93,8 @@ def test_fp32_logits_give_the_sort_and_scatter_bits(kernels, case, vocab):
 
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("case", ["top_k", "top_p", "both"])
-def test_bf16_logits_give_the_sort_and_scatter_bits_on_their_fp32_values(kernels, case):
-    vocab = 3001
+def test_bf16_logits_give_the_previous_filters_bits_on_their_fp32_values(kernels, case):
+    vocab = 5003
     logits = _logits(8, vocab, seed=11, dtype=torch.bfloat16)  # many exact ties
     temps, top_k, limit = _params(8, vocab, case)
     # Distinct bf16 values stay distinct in fp32 after dividing: the orders agree.
@@ -104,7 +105,7 @@ def test_bf16_logits_give_the_sort_and_scatter_bits_on_their_fp32_values(kernels
 
 def test_the_order_is_that_of_the_raw_logits():
     # 1.5 and 1.5 + 2^-23 collide after / 2.5 (both round to the same fp32): x ties, the
-    # logits do not. Sorting x breaks the tie by token id; the filter ranks
+    # logits do not. The old filter (sorting x) breaks the tie by token id; the new one ranks
     # token 1 (the larger logit) first. Top-k = 1 keeps one of them.
     logits = torch.tensor([[1.5, 1.5 + 2**-23, -5.0]])
     temps = torch.tensor([2.5])
@@ -114,13 +115,13 @@ def test_the_order_is_that_of_the_raw_logits():
     for kernels in (False, True):
         got = run(logits, temps, top_k, None, kernels)
         assert torch.equal(got, torch.tensor([[-INF, x[0, 1].item(), -INF]]))
-    assert oracle(logits, temps, top_k, None)[0, 0] == x[0, 0]  # sorting x picks token 0
+    assert oracle(logits, temps, top_k, None)[0, 0] == x[0, 0]  # the old pick: token 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["top_k", "top_p", "both", "temperature"])
 def test_kernels_give_the_reference_bits(dtype, case):
-    vocab = 1200
+    vocab = 5003
     logits = _logits(8, vocab, seed=3, dtype=dtype)
     temps, top_k, limit = _params(8, vocab, case)
     ref = run(logits, temps, top_k, limit, False)
@@ -130,13 +131,11 @@ def test_kernels_give_the_reference_bits(dtype, case):
 
 
 def test_kernels_with_small_chunks_and_strided_inputs(monkeypatch):
-    """Many rank_cut chunks (cuts inside and on chunk edges); rows and temperatures strided
+    """Many kept_ranks chunks (cuts inside and on chunk edges); rows and temperatures strided
     as the sampler passes them (rows of a larger batch, fp32 bits in int64 slots)."""
-    from detlora.ops import rank_cut as rc
     from detlora.ops import sampling as sp
 
-    monkeypatch.setattr(rc, "_CHUNK", 128)
-    monkeypatch.setattr(rc, "_BLOCK", 64)
+    monkeypatch.setattr(sp, "_COUNT_CHUNK", 64)
     monkeypatch.setattr(sp, "_FILTER_BLOCK", 128)
     vocab = 1000
     big = _logits(8, vocab + 24, seed=5)
@@ -145,7 +144,7 @@ def test_kernels_with_small_chunks_and_strided_inputs(monkeypatch):
     slots.view(torch.float32)[::2] = torch.tensor([0.7, 1.0, 1.3, 2.0, 0.35, 1.1, 0.9, 3.0])
     temps = slots.view(torch.float32)[::2]  # stride 2
     _, top_k, limit = _params(8, vocab, "both")
-    top_k[0], top_k[6] = 128, 257  # on and just past a chunk edge
+    top_k[0], top_k[6] = 64, 129  # on and just past a chunk edge
     assert temps.stride(0) == 2 and logits.stride(0) == vocab + 24
     for tk in (top_k, None):
         ref = run(logits, temps, tk, limit, False)

@@ -1,32 +1,30 @@
-"""Temperature, top-k and top-p of the sampled rows, in token order: no sort, no scatter.
+"""Temperature, top-k and top-p of the sampled rows, in token order and without a scatter.
 
 ``filter_logits(logits, temps, top_k, limit, log_softmax=..., kernels=...)`` returns fp32
 [n, V]: ``x = logits.float() / temps[:, None]`` with the tokens the filters drop at -inf.
 
-* Ranks are those of a stable descending sort of ``logits`` in its own dtype: ties go to
-  the lower token id, -0.0 and +0.0 are equal, NaN ranks above +inf (torch.sort's
-  conventions). The order is defined on the raw logits: dividing by t > 0 keeps it, except
-  where rounding makes two distinct logits equal in x.
-* top-k keeps ranks < top_k: ``rank_cut`` with unit weights and limit top_k gives the last
-  kept token, and ``x_k`` is x with every token ranked after it at -inf.
-* top-p: ``probs = exp(log_softmax(x_k))`` (in token order), ``mass = floor(probs.double()
-  * 2^40)``; rank r is kept iff the mass of the ranks before it is below ``limit``; rank 0
-  always is, and never a rank that top-k dropped. ``rank_cut`` finds the last kept token
-  by radix selection on the logits' bits with exact integer mass sums.
-* The output is built in token order from the cut token c and its raw logit v
-  (``cut_filter``): token j is kept iff ``logits[j] > v``, or ``logits[j] == v`` and
-  ``j <= c``: exactly the ranks up to c's of a stable descending sort.
+* Ranks come from a stable descending sort of ``logits`` in its own dtype (bf16 logits take
+  a 16-bit radix sort on the GPU: half the passes of fp32): ties go to the lower token id,
+  -0.0 and +0.0 are equal, NaN ranks above +inf (torch.sort's conventions). The order is
+  defined on the raw logits: dividing by t > 0 keeps it, except where rounding makes two
+  distinct logits equal in x (x is never sorted here).
+* top-k keeps ranks < top_k. top-p, as the sampler has always done it: ``probs =
+  exp(log_softmax(sorted_x))`` where sorted_x is x in rank order with ranks >= top_k at -inf,
+  ``mass = floor(probs.double() * 2^40)``, and rank r is kept iff the mass of the ranks
+  before it is below ``limit``; rank 0 always is. The kept ranks are a prefix of R ranks.
+* The output is built in token order from the cut token c (rank R - 1) and its raw logit v:
+  token j is kept iff ``logits[j] > v``, or ``logits[j] == v`` and ``j <= c``. That is
+  exactly the set of the R best ranks of a stable descending sort, so no scatter is needed.
 
-Every step is row-wise with exact (integer) or per-row fixed reductions, so a row's result
-never depends on the rest of the batch. The kernel path (``kernels=True``: the Triton
-``rank_cut`` and ``cut_filter``) gives the bits of the torch reference
-(``filter_logits_ref``, which sorts).
+Every step is row-wise with a per-row fixed reduction order (the fixed-point sums are exact
+integers), so a row's result never depends on the rest of the batch. The kernel path
+(``kernels=True``: ``detlora.ops.sampling``'s ``scale_ranked``, ``kept_ranks`` and
+``cut_filter``) gives the bits of the torch reference (``filter_logits_ref``).
 
-Compared with the sampler's first filter (sort of x, scatter back) and the second (sort of
-the logits, top-p probabilities from a log_softmax over the sorted row): the kept ranks are
-the same whenever the raw logits and x rank alike and the probabilities round alike; the
-log_softmax here sums the row in token order, so a top-p cut within a rounding error of the
-limit may fall one rank apart.
+Compared with the previous ``Sampler._filter`` (sort of x, then scatter): the same bits
+whenever the raw logits and x rank alike (always for fp32 inputs without collisions after the
+division, and for bf16 / fp16 logits, whose distinct values stay distinct in fp32). Top-k
+alone with top_k < 1 keeps the best token here, none there (the sampler never passes it).
 """
 
 from __future__ import annotations
@@ -68,16 +66,22 @@ def _filter(
     limit: torch.Tensor | None, log_softmax: Callable[[torch.Tensor], torch.Tensor],
     kernels: bool,
 ) -> torch.Tensor:
-    from detlora.ops import rank_cut as rc  # here, not at import: it loads Triton
-    from detlora.ops import sampling as ops
+    from detlora.ops import sampling as ops  # here, not at import: it loads Triton
 
     cut_filter = ops.cut_filter if kernels else ops.cut_filter_ref
-    rank_cut = rc.rank_cut if kernels else rc.rank_cut_ref
-    cut = None if top_k is None else rank_cut(logits, None, top_k)
+    if top_k is None and limit is None:
+        return cut_filter(logits, temps, None, None)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     if limit is None:
-        return cut_filter(logits, temps, cut)
-    probs = torch.exp(log_softmax(cut_filter(logits, temps, cut)).float())
-    return cut_filter(logits, temps, rank_cut(logits, probs, limit, cut))
+        kept = top_k  # cut_filter clamps it to [1, V]
+    else:
+        scale_ranked = ops.scale_ranked if kernels else ops.scale_ranked_ref
+        kept_ranks = ops.kept_ranks if kernels else ops.kept_ranks_ref
+        # sorted_logits.float() / t is x.gather(1, order) bit for bit (elementwise ops).
+        sorted_x = scale_ranked(sorted_logits, temps, top_k)
+        probs = torch.exp(log_softmax(sorted_x).float())
+        kept = kept_ranks(probs, limit, top_k)
+    return cut_filter(logits, temps, order, kept)
 
 
 def filter_logits_ref(
