@@ -61,11 +61,15 @@ def run(chunks: tuple[int, ...] = CHUNKS) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results/r2r_shrink_chunks.json")
+    parser.add_argument("--chunks", default=",".join(map(str, CHUNKS)),
+                        help="hidden elements per chunk, comma-separated (>= K: one chunk, "
+                             "no split)")
     args = parser.parse_args(argv)
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.shrink_chunks", *(argv or sys.argv[1:])])
-    result = {"meta": results_meta(command), "rows": run()}
+    chunks = tuple(int(c) for c in args.chunks.split(","))
+    result = {"meta": results_meta(command), "rows": run(chunks)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
