@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.shrink_chunks", *(argv or sys.argv[1:])])
-    chunks = tuple(int(c) for c in args.chunks.split(","))
+    try:
+        chunks = tuple(int(c) for c in args.chunks.split(","))
+    except ValueError:
+        parser.error(f"--chunks must be comma-separated integers, got {args.chunks!r}")
+    if min(chunks) < 1:
+        parser.error(f"--chunks must be positive, got {args.chunks!r}")
     result = {"meta": results_meta(command), "rows": run(chunks)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
