@@ -45,6 +45,14 @@ def results_meta(command: str) -> dict[str, str]:
     }
 
 
+def write_results(out: str | Path, result: dict) -> None:
+    """Write a results file (its folder made if needed) and say where."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     has_cuda = _prepare_runtime()
     from detlora.study.replay_table import run_replay_table

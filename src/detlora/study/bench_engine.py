@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    from detlora.cli import results_meta
+    from detlora.cli import results_meta, write_results
 
     command = " ".join(["python -m detlora.study.bench_engine", *(argv or sys.argv[1:])])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -452,9 +452,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(quick=args.quick, checkpoint=checkpoint, modes=modes, hf=not args.no_hf)
     result["meta"] = {**results_meta(command), **result["meta"]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="hidden elements per chunk, comma-separated (>= K: one chunk, "
                              "no split)")
     args = parser.parse_args(argv)
-    from detlora.cli import results_meta
+    from detlora.cli import results_meta, write_results
 
     command = " ".join(["python -m detlora.study.shrink_chunks", *(argv or sys.argv[1:])])
     try:
@@ -74,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chunks must be comma-separated integers, got {args.chunks!r}")
     if min(chunks) < 1:
         parser.error(f"--chunks must be positive, got {args.chunks!r}")
-    result = {"meta": results_meta(command), "rows": run(chunks)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, {"meta": results_meta(command), "rows": run(chunks)})
     return 0
 
 
