@@ -206,7 +206,10 @@ class _Workload:
     def generate(self, llm: Any, idx: Sequence[int], *, one_token: bool = False,
                  loras: Sequence[Any] | None = None) -> list[Any]:
         params = self.params_1 if one_token else self.params
-        lr = [self.loras[0]] * len(idx) if loras is None else list(loras)
+        if loras is not None:
+            lr: list[Any] | None = list(loras)
+        else:  # the first adapter everywhere (none when the workload has no adapters)
+            lr = [self.loras[0]] * len(idx) if self.loras else None
         return llm.generate([self.prompts[k] for k in idx], [params[k] for k in idx], lr,
                             use_tqdm=False)
 

@@ -7,6 +7,9 @@ For each determinism level and batch size, on the model of ``bench_engine``:
   graph's input copies, is part of it), sampling, and the rest;
 * ``replay_us``: one decode graph replay alone (CUDA events, median), the GPU floor of a step;
 * ``kernels``: the profiler's kernel table of one replay (name, us per step, launches per step);
+* ``timeline``: one replay's kernels on their streams: the main stream's busy time and span,
+  and its idle time split by the kernel that waited (a gap before ``_expand_kernel`` is the
+  LoRA shrink on the side stream finishing after the base GEMM);
 * ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix.
 
     python -m detlora.study.profile_engine --out out/profile_engine.json [--layers 28]
@@ -89,6 +92,57 @@ def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[
     return rows[:top]
 
 
+def _timeline(fn: Callable[[], Any], steps: int = 5) -> dict[str, Any]:
+    """Stream timeline of ``steps`` calls of ``fn`` (a graph replay): per stream, kernel busy
+    time; on the main stream (the one that runs the most kernels), the idle time between
+    kernels, charged to the kernel that starts after the gap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {}
+    by_stream: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in kernels:
+        by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    main = max(by_stream, key=lambda s: len(by_stream[s]))
+    seq = sorted(by_stream[main], key=lambda e: e["ts"])
+    gaps: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    span = 0.0
+    # Calls are synchronised one by one: a gap longer than 200 us is the host between calls.
+    start = prev_end = seq[0]["ts"]
+    for e in seq:
+        gap = e["ts"] - prev_end
+        if gap > 200:
+            span += prev_end - start
+            start = e["ts"]
+        elif gap > 0:
+            gaps[e["name"][:80]] += gap
+            counts[e["name"][:80]] += 1
+        prev_end = max(prev_end, e["ts"] + e["dur"])
+    span += prev_end - start
+    busy = {str(s): round(sum(e["dur"] for e in v) / steps, 1) for s, v in by_stream.items()}
+    return {
+        "main_stream": str(main),
+        "main_span_us": round(span / steps, 1),
+        "busy_us_by_stream": busy,
+        "main_idle_us": round(sum(gaps.values()) / steps, 1),
+        "main_idle_before": sorted(
+            ({"kernel": k, "us_per_step": round(v / steps, 1), "gaps_per_step": counts[k] / steps}
+             for k, v in gaps.items()), key=lambda r: -r["us_per_step"])[:15],
+    }
+
+
 def _host_profile(fn: Callable[[], Any], top: int = 30) -> list[str]:
     """cProfile of one call (host time per function, sorted by own time)."""
     import cProfile
@@ -160,6 +214,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                 g = graphs.graphs[bucket]
                 row["replay_us"] = round(_event_us(g.replay), 1)
                 row["kernels"] = _kernel_table(g.replay)
+                row["timeline"] = _timeline(g.replay)
             step = last_step.get("step")
             if step is not None:
                 batch = eng.runner.forward_batch(step)
@@ -190,6 +245,13 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
             for k in row.get("kernels", [])[:25]:
                 log(f"    {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
                     f"{k['kernel']}")
+            tl = row.get("timeline") or {}
+            if tl:
+                log(f"  timeline: main span {tl['main_span_us']} us, idle "
+                    f"{tl['main_idle_us']} us, busy by stream {tl['busy_us_by_stream']}")
+                for k in tl["main_idle_before"][:8]:
+                    log(f"  idle {k['us_per_step']:8.1f} us  x{k['gaps_per_step']:5.1f}  "
+                        f"before {k['kernel']}")
             for k in row["sampler_kernels"][:8]:
                 log(f"  s {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
                     f"{k['kernel']}")
@@ -209,22 +271,24 @@ def _fake_seqs(w: Any, b: int) -> list[Any]:
 
 def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
-        batches: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
+        batches: tuple[int, ...] = (1, 64), lora: bool = True) -> dict[str, Any]:
     from detlora.lora.request import LoRARequest
 
     plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
                    output_len=tokens, throughput_batches=batches)
-    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens}, "rows": []}
+    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora},
+                           "rows": []}
     with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
         be.write_adapter(root / "adapter0", plan.shape, seed=10)
         be.write_adapter(root / "adapter1", plan.shape, seed=11)
         loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
-        w = be._Workload(plan, loras)
+        w = be._Workload(plan, loras if lora else [])
         for mode in modes:
-            llm = be._engine(root / "model", mode, plan)
-            out["rows"] += _profile_mode(llm, mode, w, batches, log)
+            llm = be._engine(root / "model", mode, plan, enable_lora=lora)
+            label = mode if lora else f"{mode}-nolora"
+            out["rows"] += _profile_mode(llm, label, w, batches, log)
             del llm
             be._free_gpu()
     return out
@@ -237,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="fast,batch_invariant")
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--no-lora", action="store_true",
+                        help="the base model alone (no LoRA slots, no adapters)")
     args = parser.parse_args(argv)
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
-               batches=tuple(int(b) for b in args.batches.split(",")))
+               batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora)
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.profile_engine", *(argv or sys.argv[1:])])
