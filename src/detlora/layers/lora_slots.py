@@ -8,6 +8,7 @@ move or change shape, so a captured CUDA graph keeps valid pointers while adapte
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -139,10 +140,11 @@ class LoRASlots(nn.Module):
         shrinks stay ordered among themselves on the one side stream, so their workspace is
         never used by two kernels at once.
         """
-        if x.device.type != "cuda":
+        placement = os.environ.get("DETLORA_SHRINK_STREAM", "side")  # experiment knob
+        if x.device.type != "cuda" or placement == "main":
             return self.apply(x, base(), groups, backend)
         main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
+        side = _side_stream(x.device, high_priority=placement == "side_high")
         # Allocated on the main stream, which reads it last: no cross-stream frees.
         h = torch.empty(self.lora_a.shape[1], x.shape[0], self.lora_a.shape[2],
                         dtype=torch.float32, device=x.device)
@@ -158,14 +160,15 @@ class LoRASlots(nn.Module):
             raise ValueError(f"slot {slot} is outside [0, {self.config.max_loras - 1}]")
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
     """The stream every LoRA shrink on ``device`` runs on (one per device)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    stream = _SIDE_STREAMS.get(device)
+    key = (device, high_priority)
+    stream = _SIDE_STREAMS.get(key)
     if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
     return stream
