@@ -152,3 +152,21 @@ def test_ordered_bi_every_path_matches_single_rows(covers, block_m, block_n, war
         batch = lora_shrink(x[:m], a, ids[:m], scale, reduction="ordered_bi", config=cfg)
         for i in range(min(m, 24)):
             assert torch.equal(batch[:, i], alone[i][:, 0]), (m, i)
+
+
+@pytest.mark.parametrize("reduction", ["unsplit", "ordered", "ordered_bi"])
+@pytest.mark.parametrize("m", [1, 7, 64, 257, 4096])
+@pytest.mark.parametrize("h,offsets", [(3072, [0, 3072, 4096, 5120]), (8192, [0, 3072])])
+def test_deferred_shrink_expands_to_the_same_bits(reduction, m, h, offsets):
+    """Partials summed in the expand (what the engine runs) equal the shrink's own sum."""
+    s, r = len(offsets) - 1, 16
+    x, a, ids, scale = _inputs(m, h, r, s, 2, seed=m + h)
+    g = torch.Generator(device=DEV).manual_seed(m)
+    b = (torch.randn(2, offsets[-1], r, device=DEV, generator=g) / 4).to(torch.bfloat16)
+    y = torch.randn(m, offsets[-1], device=DEV, generator=g).to(torch.bfloat16)
+    groups = group_tokens(ids, 2)
+    reduced = lora_shrink(x, a, groups, scale, reduction=reduction)
+    want = lora_expand(y.clone(), reduced, b, groups, offsets)
+    for _ in range(3):
+        sp = lora_shrink(x, a, groups, scale, reduction=reduction, defer=True)
+        assert torch.equal(lora_expand(y.clone(), sp, b, groups, offsets), want)

@@ -8,7 +8,6 @@ move or change shape, so a captured CUDA graph keeps valid pointers while adapte
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -140,17 +139,15 @@ class LoRASlots(nn.Module):
         shrinks stay ordered among themselves on the one side stream, so their workspace is
         never used by two kernels at once.
         """
-        placement = os.environ.get("DETLORA_SHRINK_STREAM", "side")  # experiment knob
-        if x.device.type != "cuda" or placement == "main":
+        if x.device.type != "cuda":
             return self.apply(x, base(), groups, backend)
         main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device, high_priority=placement == "side_high")
+        side = _side_stream(x.device)
         # Allocated on the main stream, which reads it last: no cross-stream frees.
-        h = torch.empty(self.lora_a.shape[1], x.shape[0], self.lora_a.shape[2],
-                        dtype=torch.float32, device=x.device)
+        buf = backend.lora_shrink_out(x, self.lora_a)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=h)
+            h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=buf)
         y = base()
         main.wait_stream(side)
         return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
@@ -160,15 +157,15 @@ class LoRASlots(nn.Module):
             raise ValueError(f"slot {slot} is outside [0, {self.config.max_loras - 1}]")
 
 
-_SIDE_STREAMS: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
-    """The stream every LoRA shrink on ``device`` runs on (one per device)."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every LoRA shrink on ``device`` runs on (one per device). A high priority
+    changed nothing at batch 64, and the main stream was slower (profile_shrink_stream.json)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, high_priority)
-    stream = _SIDE_STREAMS.get(key)
+    stream = _SIDE_STREAMS.get(device)
     if stream is None:
-        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=-1 if high_priority else 0)
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return stream

@@ -16,6 +16,11 @@ Semantics:
     (``lora_expand_ref`` below.) The rank is summed whole by one CTA in a fixed BLOCK_R order
     that depends on R alone, so the expand is deterministic and batch-invariant by
     construction: no Split-K over the rank.
+
+    ``shrink_out`` may also be a deferred shrink's :class:`ShrinkPartials`: the expand then
+    sums the partials of each h tile in the shrink's own tree and scales them, as
+    ``reduce_partials_ref`` does, before the product above (the same bits as expanding the
+    reduced [S, M, R]).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from detlora.ops._runtime import cdiv
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig, expand_config
+from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
 from detlora.ops.lora_workspace import MAX_LORA_RANK
 
 MAX_SLICES = 3
@@ -40,12 +46,14 @@ _OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def lora_expand_ref(
     y: torch.Tensor,
-    shrink_out: torch.Tensor,
+    shrink_out: torch.Tensor | ShrinkPartials,
     lora_b: torch.Tensor,
     token_adapter: torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Torch reference: updates ``y`` in place and returns it."""
+    if isinstance(shrink_out, ShrinkPartials):
+        shrink_out = reduce_partials_ref(shrink_out, token_adapter)
     slices = shrink_out.shape[0]
     offsets = _offsets(slice_offsets, slices, lora_b.shape[1])
     ids = token_adapter.to(torch.int64)
@@ -66,6 +74,7 @@ def _expand_kernel(
     y_ptr,
     h_ptr,
     b_ptr,
+    scale_ptr,
     rows_ptr,
     group_start_ptr,
     group_size_ptr,
@@ -76,10 +85,14 @@ def _expand_kernel(
     off3,
     stride_ym,
     stride_yn,
+    stride_hp,
     stride_hs,
     stride_hm,
     stride_bl,
     stride_bn,
+    NUM_PARTS: tl.constexpr,
+    TAIL_GROUP: tl.constexpr,
+    PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -114,14 +127,30 @@ def _expand_kernel(
     b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PARTIALS:
+        scale = tl.load(scale_ptr + adapter)
     for r0 in range(0, R, BLOCK_R):
         r = r0 + offs_r
-        if EVEN_R:
+        r_ok = r < R
+        if PARTIALS:
+            # The shrink's tree: groups of TAIL_GROUP partials from zero, group sums added
+            # to a total from zero, then scaled. Unrolled: every load is issued up front.
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for p in tl.static_range(NUM_PARTS):
+                group_sum += tl.load(h_rows[:, None] + p * stride_hp + r[None, :],
+                                     mask=r_ok[None, :], other=0.0)
+                if (p + 1) % TAIL_GROUP == 0 or p == NUM_PARTS - 1:
+                    total += group_sum
+                    group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            hb = total * scale
+        elif EVEN_R:
             hb = tl.load(h_rows[:, None] + r[None, :])
+        else:
+            hb = tl.load(h_rows[:, None] + r[None, :], mask=r_ok[None, :], other=0.0)
+        if EVEN_R:
             bb = tl.load(b_cols[None, :] + r[:, None])
         else:
-            r_ok = r < R
-            hb = tl.load(h_rows[:, None] + r[None, :], mask=r_ok[None, :], other=0.0)
             bb = tl.load(b_cols[None, :] + r[:, None], mask=r_ok[:, None], other=0.0)
         acc += tl.dot(hb.to(bb.dtype), bb)
 
@@ -134,7 +163,7 @@ def _expand_kernel(
 
 def lora_expand(
     y: torch.Tensor,
-    shrink_out: torch.Tensor,
+    shrink_out: torch.Tensor | ShrinkPartials,
     lora_b: torch.Tensor,
     groups: AdapterGroups | torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
@@ -143,14 +172,29 @@ def lora_expand(
 ) -> torch.Tensor:
     """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
     y = check_tensor("y", y, ndim=2, dtypes=_OUTPUT_DTYPES)
-    shrink_out = check_tensor(
-        "shrink_out", shrink_out, ndim=3, dtypes=(torch.float32,), unit_last_stride=True
-    )
+    if isinstance(shrink_out, ShrinkPartials):
+        partials = _check_partials(shrink_out)
+        h = partials.partials
+        slices, m, rank = partials.slices, partials.num_rows, partials.rank
+        # [P, M, S * R]: part, slice and row strides of the kernel's h tile.
+        h_strides = (h.stride(0), rank, h.stride(1))
+        scale = partials.scale
+        num_parts, tail_group = partials.num_parts, partials.tail_group
+    else:
+        h = check_tensor(
+            "shrink_out", shrink_out, ndim=3, dtypes=(torch.float32,), unit_last_stride=True
+        )
+        slices, m, rank = h.shape
+        h_strides = (0, h.stride(0), h.stride(1))
+        scale = h  # unused
+        num_parts, tail_group = 1, 1
     lora_b = check_tensor("lora_b", lora_b, ndim=3, dtypes=_WEIGHT_DTYPES, unit_last_stride=True)
-    slices, m, rank = shrink_out.shape
     num_adapters, n_out, b_rank = lora_b.shape
     if not 1 <= slices <= MAX_SLICES:
         raise ValueError(f"shrink_out must have 1 to {MAX_SLICES} slices, got {slices}")
+    if isinstance(shrink_out, ShrinkPartials) and scale.shape[0] != lora_b.shape[0]:
+        raise ValueError(f"the partials' scale has {scale.shape[0]} adapter slots but lora_b "
+                         f"has {lora_b.shape[0]}")
     if not 1 <= rank <= MAX_LORA_RANK:
         raise ValueError(f"shrink_out rank {rank} is outside [1, {MAX_LORA_RANK}]")
     if b_rank != rank:
@@ -167,7 +211,7 @@ def lora_expand(
         raise ValueError(
             f"groups index {groups.num_adapters} adapter slots but lora_b has {num_adapters}"
         )
-    check_same_device(y=y, shrink_out=shrink_out, lora_b=lora_b,
+    check_same_device(y=y, shrink_out=h, lora_b=lora_b, scale=scale,
                       token_adapter=groups.token_adapter)
 
     widths = [offsets[i + 1] - offsets[i] for i in range(slices)]
@@ -177,16 +221,33 @@ def lora_expand(
     padded = offsets + [offsets[-1]] * (MAX_SLICES + 1 - len(offsets))
     grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), slices, groups.num_groups)
     _expand_kernel[grid](
-        y, shrink_out, lora_b,
+        y, h, lora_b, scale,
         groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
         rank, padded[1], padded[2], padded[3],
-        y.stride(0), y.stride(1), shrink_out.stride(0), shrink_out.stride(1),
+        y.stride(0), y.stride(1), *h_strides,
         lora_b.stride(0), lora_b.stride(1),
+        NUM_PARTS=num_parts, TAIL_GROUP=tail_group,
+        PARTIALS=isinstance(shrink_out, ShrinkPartials),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         EVEN_R=rank % cfg.block_r == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def _check_partials(sp: ShrinkPartials) -> ShrinkPartials:
+    check_tensor("shrink_out.partials", sp.partials, ndim=3, dtypes=(torch.float32,))
+    check_tensor("shrink_out.scale", sp.scale, ndim=1, dtypes=(torch.float32,))
+    if not sp.partials.is_contiguous():
+        raise ValueError("shrink_out.partials must be contiguous")
+    if not 1 <= sp.rank <= MAX_LORA_RANK or sp.slices < 1:
+        raise ValueError(f"shrink_out has {sp.slices} slices of rank {sp.rank}")
+    if sp.partials.shape[2] != sp.slices * sp.rank:
+        raise ValueError(f"shrink_out.partials has {sp.partials.shape[2]} columns, not "
+                         f"slices x rank = {sp.slices * sp.rank}")
+    if sp.tail_group < 1:
+        raise ValueError(f"shrink_out.tail_group must be >= 1, got {sp.tail_group}")
+    return sp
 
 
 def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> list[int]:

@@ -26,9 +26,15 @@ Reductions: how the H axis is summed when it is split across CTAs (Split-K).
                 so a row's bits do not depend on how many rows share the call.
     tree        S_k CTAs store partials; a second launch sums them in a fixed pairwise tree
                 ``(p0 + p1) + (p2 + p3)`` (the paper's earlier design, kept for comparison).
+
+Deferred (``defer=True``; unsplit, ordered and ordered_bi): every CTA stores its unscaled
+partial and exits, and ``lora_expand`` sums the partials in the same tree (see
+``lora_partials``): the same bits, without the counter and the last CTA's reload.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,13 +45,16 @@ from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import CTA_COVERS, ShrinkConfig, shrink_config
+from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace, default_workspace
 
 MAX_SLICES = 3
 _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Kernel modes (constexpr): how a CTA's K partial leaves the CTA.
-_STORE, _ATOMIC, _ORDERED, _TREE = 0, 1, 2, 3
+_STORE, _ATOMIC, _ORDERED, _TREE, _PARTIALS = 0, 1, 2, 3, 4
+# Reductions whose tree the expand can finish (atomic has no partials; tree's order differs).
+DEFERRABLE = (LoRAReduction.UNSPLIT, LoRAReduction.ORDERED, LoRAReduction.ORDERED_BI)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -218,8 +227,8 @@ def _shrink_kernel(
     out_ok = m_ok[:, None] & n_ok[None, :]
 
     if adapter < 0:
-        # Rows without an adapter are zero; atomic's output is zeroed already and tree's
-        # second launch writes them.
+        # Rows without an adapter are zero; atomic's output is zeroed already, tree's
+        # second launch writes them and the expand skips them in deferred partials.
         if (MODE == 0 or MODE == 2) and split == 0:
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_ok)
         return
@@ -243,7 +252,8 @@ def _shrink_kernel(
     elif MODE == 1:  # _ATOMIC
         tl.atomic_add(out_ptrs, acc * scale, mask=out_ok, sem="relaxed")
     else:
-        # Scratch is [split, M, N] with N contiguous, indexed by the original row.
+        # Scratch (or the deferred partials) is [split, M, N] with N contiguous, indexed by
+        # the original row; MODE 4 (_PARTIALS) stops here and leaves the sum to the expand.
         part_ptrs = scratch_ptr + rows[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs + split * stride_ps, acc, mask=out_ok)
         if MODE == 2:  # _ORDERED
@@ -327,6 +337,42 @@ def _tree_reduce_kernel(
 # ----------------------------------------------------------------------------- wrapper
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How one call splits K: CTAs along K, what each covers, and the tail of the tree."""
+
+    splits: int
+    blocks_per_chunk: int
+    blocks_per_group: int
+    blocks_per_cta: int
+    tree_in_cta: bool
+    tail_group: int
+
+
+def _plan(cfg: ShrinkConfig, hidden: int) -> _Plan:
+    blocks_per_chunk = cfg.chunk_size(hidden) // cfg.block_k
+    blocks_per_group = blocks_per_chunk * cfg.group_chunks
+    num_k_blocks = cdiv(hidden, cfg.block_k)
+    splits = cfg.ctas_along_k(hidden)  # CTAs along K
+    covers = cfg.cta_covers if splits > 1 else "all"
+    blocks_per_cta = {"chunk": blocks_per_chunk, "group": blocks_per_group,
+                      "all": num_k_blocks}[covers]
+    # A CTA that covers more than one chunk sums its share as a tree; one chunk is plain.
+    tree_in_cta = blocks_per_cta > blocks_per_chunk and num_k_blocks > blocks_per_chunk
+    return _Plan(splits, blocks_per_chunk, blocks_per_group, blocks_per_cta, tree_in_cta,
+                 cfg.group_chunks if covers == "chunk" else 1)
+
+
+def partials_shape(
+    reduction: LoRAReduction | str, num_rows: int, hidden: int, slices: int, rank: int,
+    config: ShrinkConfig | None = None,
+) -> tuple[int, int, int]:
+    """Shape [P, M, S * R] of the buffer a deferred ``lora_shrink`` fills."""
+    reduction = LoRAReduction.parse(reduction)
+    cfg = config or shrink_config(reduction, num_rows, hidden, slices * rank)
+    return (_plan(cfg, hidden).splits, num_rows, slices * rank)
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -337,11 +383,14 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     workspace: LoRAWorkspace | None = None,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | ShrinkPartials:
     """Compute the shrink of every row with its adapter; see the module docstring.
 
     ``groups`` is an :class:`AdapterGroups` (built once per step) or a raw ``token_adapter``
     tensor. ``out`` ([S, M, R] fp32) is written in full, so it need not be zeroed.
+    ``defer=True`` returns :class:`ShrinkPartials` for ``lora_expand`` to sum; ``out`` is then
+    the [P, M, S * R] fp32 partials buffer (``partials_shape``), allocated if not given.
     """
     reduction = LoRAReduction.parse(reduction)
     x = check_tensor("x", x, ndim=2, dtypes=_INPUT_DTYPES, unit_last_stride=True)
@@ -371,40 +420,49 @@ def lora_shrink(
         raise ValueError(
             f"groups index {groups.num_adapters} adapter slots but lora_a has {num_adapters}"
         )
+    if defer and reduction not in DEFERRABLE:
+        raise ValueError(
+            f"defer=True needs a reduction whose partials the expand can sum "
+            f"({', '.join(r.value for r in DEFERRABLE)}), got {reduction.value}"
+        )
     scale_t = _scale_tensor(scale, num_adapters, x.device)
-    if out is None:
+
+    n = slices * rank
+    cfg = config or shrink_config(reduction, m, hidden, n)
+    _check_config(cfg, reduction)
+    plan = _plan(cfg, hidden)
+    if defer:
+        shape = (plan.splits, m, n)
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=x.device)
+        else:
+            check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
+            check_shape("out", out, shape)
+            if not out.is_contiguous():
+                raise ValueError("out (the deferred partials) must be contiguous")
+    elif out is None:
         out = torch.empty(slices, m, rank, dtype=torch.float32, device=x.device)
     else:
         check_tensor("out", out, ndim=3, dtypes=(torch.float32,))
         check_shape("out", out, (slices, m, rank))
     check_same_device(x=x, lora_a=lora_a, out=out, scale=scale_t,
                       token_adapter=groups.token_adapter)
-
-    n = slices * rank
-    cfg = config or shrink_config(reduction, m, hidden, n)
-    _check_config(cfg, reduction)
-    blocks_per_chunk = cfg.chunk_size(hidden) // cfg.block_k
-    blocks_per_group = blocks_per_chunk * cfg.group_chunks
-    num_k_blocks = cdiv(hidden, cfg.block_k)
-    splits = cfg.ctas_along_k(hidden)  # CTAs along K
-    covers = cfg.cta_covers if splits > 1 else "all"
-    blocks_per_cta = {"chunk": blocks_per_chunk, "group": blocks_per_group,
-                      "all": num_k_blocks}[covers]
-    # A CTA that covers more than one chunk sums its share as a tree; one chunk is plain.
-    tree_in_cta = blocks_per_cta > blocks_per_chunk and num_k_blocks > blocks_per_chunk
     m_tiles = cdiv(m, cfg.block_m)
     n_tiles = cdiv(n, cfg.block_n)
 
-    if reduction is LoRAReduction.ATOMIC:
+    if defer:
+        mode = _PARTIALS
+    elif reduction is LoRAReduction.ATOMIC:
         mode = _ATOMIC
         out.zero_()
     elif reduction is LoRAReduction.TREE:
         mode = _TREE
     else:
-        mode = _STORE if splits == 1 else _ORDERED
+        mode = _STORE if plan.splits == 1 else _ORDERED
 
-    uses_scratch = mode in (_ORDERED, _TREE)
-    scratch = workspace.scratch(splits * m * n) if uses_scratch else out
+    splits = plan.splits
+    # Deferred partials go straight to ``out``; ordered and tree stage them in scratch.
+    scratch = workspace.scratch(splits * m * n) if mode in (_ORDERED, _TREE) else out
     counters = (
         workspace.counters(groups.num_groups * m_tiles * n_tiles) if mode == _ORDERED else out
     )
@@ -413,18 +471,20 @@ def lora_shrink(
         x, lora_a, out, scale_t,
         groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
         scratch, counters,
-        hidden, rank, n, blocks_per_chunk, blocks_per_group, blocks_per_cta,
+        hidden, rank, n, plan.blocks_per_chunk, plan.blocks_per_group, plan.blocks_per_cta,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         m * n,
         MODE=mode,
         SPLIT=splits,
-        TAIL_GROUP=cfg.group_chunks if covers == "chunk" else 1,
-        TREE_IN_CTA=tree_in_cta,
+        TAIL_GROUP=plan.tail_group,
+        TREE_IN_CTA=plan.tree_in_cta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if mode == _PARTIALS:
+        return ShrinkPartials(out, slices, rank, plan.tail_group, scale_t)
     if mode == _TREE:
         split_p2 = next_power_of_2(splits)
         block_m = 16
@@ -475,4 +535,4 @@ def _scale_tensor(
     return scale.contiguous()
 
 
-__all__ = ["MAX_LORA_RANK", "lora_shrink", "lora_shrink_ref"]
+__all__ = ["MAX_LORA_RANK", "lora_shrink", "lora_shrink_ref", "partials_shape"]
