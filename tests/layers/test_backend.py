@@ -65,6 +65,5 @@ def test_kernel_backend_binds_every_op_to_a_kernel():
     assert impls["batch_invariant"]["linear"] == "matmul.linear"
     assert impls["batch_invariant"]["paged_attention"] == "paged_attention.paged_attention"
     assert impls["fast"]["lora_shrink"].endswith("[atomic]")
-    # Deterministic shrinks leave their split sum to the expand; atomic cannot.
-    assert impls["run_to_run"]["lora_shrink"].endswith("[ordered, deferred]")
-    assert impls["batch_invariant"]["lora_shrink"].endswith("[ordered_bi, deferred]")
+    assert impls["run_to_run"]["lora_shrink"].endswith("[ordered]")
+    assert impls["batch_invariant"]["lora_shrink"].endswith("[ordered_bi]")

@@ -53,9 +53,6 @@ class OpBackend:
     lora_shrink: Callable[..., torch.Tensor]  # (x, lora_a, groups, scale, out=None)
     # (y, shrink_out, lora_b, groups, slice_offsets) -> y, updated in place.
     lora_expand: Callable[..., torch.Tensor]
-    # (x, lora_a) -> an empty buffer for lora_shrink's ``out``: [S, M, R] fp32, or the
-    # [P, M, S * R] partials when the shrink defers its sum to the expand.
-    lora_shrink_out: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     device: torch.device
     determinism: Determinism
     lora_reduction: LoRAReduction
@@ -174,15 +171,9 @@ def _reference_backend(
     impls = {op: f"{mod}.{ref}" for op, (mod, ref, _) in _OPS.items()}
     impls |= {"lora_shrink": "lora_shrink.lora_shrink_ref",
               "lora_expand": "lora_expand.lora_expand_ref"}
-    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand,
-                     lora_shrink_out=_reduced_shrink_out, device=device,
+    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls))
-
-
-def _reduced_shrink_out(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
-    return torch.empty(lora_a.shape[1], x.shape[0], lora_a.shape[2], dtype=torch.float32,
-                       device=x.device)
 
 
 def _vendor_linear(
@@ -228,7 +219,7 @@ def _kernel_backend(
     allow_reference_fallback: bool,
 ) -> OpBackend:
     from detlora.ops.lora_expand import lora_expand
-    from detlora.ops.lora_shrink import DEFERRABLE, lora_shrink, partials_shape
+    from detlora.ops.lora_shrink import lora_shrink
     from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace
 
     ops: dict[str, Callable[..., Any]] = {}
@@ -250,27 +241,15 @@ def _kernel_backend(
     # One workspace per engine: scratch and counters allocated once, CUDA-graph safe.
     workspace = LoRAWorkspace(device, max_lora_rank or MAX_LORA_RANK)
 
-    # Deterministic split shrinks leave their sum to the expand (the same bits, no counter
-    # and no last-CTA pass); atomic and tree reduce in the shrink.
-    defer = reduction in DEFERRABLE
-
     def shrink(x, lora_a, groups, scale, out=None):
         return lora_shrink(x, lora_a, groups, scale, reduction=reduction, out=out,
-                           workspace=workspace, defer=defer)
-
-    def shrink_out(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
-        if not defer:
-            return _reduced_shrink_out(x, lora_a)
-        _, slices, rank, hidden = lora_a.shape
-        return torch.empty(partials_shape(reduction, x.shape[0], hidden, slices, rank),
-                           dtype=torch.float32, device=x.device)
+                           workspace=workspace)
 
     def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
         return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
 
-    impls |= {"lora_shrink": f"lora_shrink.lora_shrink[{reduction.value}"
-                             f"{', deferred' if defer else ''}]",
+    impls |= {"lora_shrink": f"lora_shrink.lora_shrink[{reduction.value}]",
               "lora_expand": "lora_expand.lora_expand"}
-    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, lora_shrink_out=shrink_out,
-                     device=device, determinism=level, lora_reduction=reduction,
+    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
+                     determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls))

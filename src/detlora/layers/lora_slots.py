@@ -144,10 +144,11 @@ class LoRASlots(nn.Module):
         main = torch.cuda.current_stream(x.device)
         side = _side_stream(x.device)
         # Allocated on the main stream, which reads it last: no cross-stream frees.
-        buf = backend.lora_shrink_out(x, self.lora_a)
+        h = torch.empty(self.lora_a.shape[1], x.shape[0], self.lora_a.shape[2],
+                        dtype=torch.float32, device=x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=buf)
+            backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=h)
         y = base()
         main.wait_stream(side)
         return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
@@ -161,8 +162,9 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every LoRA shrink on ``device`` runs on (one per device). A high priority
-    changed nothing at batch 64, and the main stream was slower (profile_shrink_stream.json)."""
+    """The stream every LoRA shrink on ``device`` runs on (one per device). A high-priority
+    stream changed nothing at batch 64, and the main stream was slower
+    (benchmarks/results/profile_shrink_stream.json)."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     stream = _SIDE_STREAMS.get(device)
