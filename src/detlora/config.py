@@ -31,7 +31,10 @@ class LoRAReduction(str, Enum):
     """How the LoRA shrink sums over the hidden axis.
 
     ``ordered_bi`` is ``ordered`` with a split count and BLOCK_K fixed per (H, r): a row's bits
-    do not depend on how many rows share the call.
+    do not depend on how many rows share the call. ``in_gemm`` has no shrink kernel: every
+    slot's A rides as extra output columns of the base weight, so the level's own linear
+    (cuBLAS, or the batch-invariant matmul) computes x A^T, rounded to the model dtype, in the
+    same launch as x W^T; the expand scales it.
     """
 
     ATOMIC = "atomic"
@@ -39,6 +42,7 @@ class LoRAReduction(str, Enum):
     ORDERED = "ordered"
     ORDERED_BI = "ordered_bi"
     TREE = "tree"
+    IN_GEMM = "in_gemm"
 
     @classmethod
     def parse(cls, value: str | LoRAReduction) -> LoRAReduction:

@@ -148,3 +148,34 @@ def test_layer_without_slots_refuses_adapters():
     layer = Linear(8, 8, backend=BACKEND)
     with pytest.raises(ValueError, match="without LoRA slots"):
         layer.set_lora(0, [torch.zeros(1, 8)], [torch.zeros(8, 1)], 1.0)
+
+
+IN_GEMM = make_backend("cpu", lora_reduction="in_gemm")
+
+
+def test_in_gemm_layer_matches_the_formula_and_keeps_a_in_the_weight():
+    """in_gemm: A rides as extra rows of the GEMM weight; weight and lora_a are views of it."""
+    g = torch.Generator().manual_seed(1)
+    layer = MergedLinear(40, SIZES, backend=IN_GEMM, bias=True, lora=LoRAConfig(3, 8))
+    for s, n in enumerate(SIZES):
+        layer.load_weight(torch.randn(n, 40, generator=g), s)
+        layer.load_bias(torch.randn(n, generator=g), s)
+    n = sum(SIZES)
+    assert layer.gemm_weight.shape == (n + 3 * 3 * 8, 40)
+    assert layer.weight.data_ptr() == layer.gemm_weight.data_ptr()
+    assert layer.lora.lora_a.data_ptr() == layer.gemm_weight[n:].data_ptr()
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    adapters = {0: (*_adapter(8, g), 2.0), 1: (*_adapter(3, g, skip=(1,)), 0.5)}
+    for slot, (a, b, scale) in adapters.items():
+        layer.set_lora(slot, a, b, scale)
+    assert torch.equal(layer.gemm_weight[n:n + 8], adapters[0][0][0])  # slot 0, q's A
+    assert float(layer.gemm_bias[n:].abs().max()) == 0.0
+    slots = [0, -1, 1, 1, -1, 0, 2]
+    x = torch.randn(len(slots), 40, generator=g)
+    y = layer(x, group_tokens(torch.tensor(slots, dtype=torch.int32), 3))
+    assert y.stride(0) == n + 3 * 3 * 8  # a view of the one GEMM's output
+    adapters[2] = ([None] * 3, [None] * 3, 0.0)
+    want = _expected(layer, x, adapters, slots)
+    assert float((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+    layer.clear_lora(0)
+    assert float(layer.gemm_weight[n:n + 3 * 8].abs().max()) == 0.0

@@ -96,3 +96,33 @@ def test_bad_input_raises_value_error_naming_it(index):
     fn, word = cases[index]
     with pytest.raises(ValueError, match=word):
         fn()
+
+
+@pytest.mark.parametrize("m,offsets,adapters", [(1, (0, 96, 128, 160), 1), (9, (0, 40), 3),
+                                                (33, (0, 64, 96), 2)])
+def test_in_gemm_columns_expand_like_the_reduced_shrink(m, offsets, adapters):
+    """in_gemm: x A^T of every slot sits after x W^T in one output (model dtype, strided)."""
+    g = torch.Generator().manual_seed(m)
+    s, r, n = len(offsets) - 1, 8, offsets[-1]
+    y_cat = torch.randn(m, n + adapters * s * r, generator=g).half()
+    b = (torch.randn(adapters, n, r, generator=g) / r**0.5).half()
+    ids = torch.randint(-1, adapters, (m,), generator=g, dtype=torch.int32)
+    scale = torch.rand(adapters, generator=g) + 0.5
+    sp = ShrinkPartials(y_cat[:, n:].unsqueeze(0), s, r, 1, scale, adapter_stride=s * r)
+    h = reduce_partials_ref(sp, ids)
+    for row, a in enumerate(ids.tolist()):  # the slot's columns, scaled; zero without adapter
+        want = (scale[a] * y_cat[row, n + a * s * r: n + (a + 1) * s * r].float()
+                if a >= 0 else torch.zeros(s * r))
+        assert torch.equal(h[:, row].reshape(-1), want)
+    groups = group_tokens(ids, adapters)
+    got = lora_expand(y_cat[:, :n].clone(), sp, b, groups, offsets)
+    assert torch.equal(got, lora_expand(y_cat[:, :n].clone(), h, b, groups, offsets))
+    view = y_cat.clone()
+    lora_expand(view[:, :n], sp, b, groups, offsets)  # in place through the strided view
+    assert torch.equal(view[:, :n], got) and torch.equal(view[:, n:], y_cat[:, n:])
+
+
+def test_in_gemm_has_no_shrink_kernel():
+    x, a, _, ids, scale, _ = make(4, 256, 8, (0, 32), 2, seed=1)
+    with pytest.raises(ValueError, match="in_gemm"):
+        lora_shrink(x, a, ids, scale, reduction="in_gemm")

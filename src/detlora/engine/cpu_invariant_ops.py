@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
 
 ROW_TILE = 16
 KV_BLOCK = 16
@@ -84,6 +85,8 @@ def lora_expand(
     slice_offsets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Same semantics as ``detlora.ops.lora_expand.lora_expand_ref`` (in place, returns y)."""
+    if isinstance(shrink_out, ShrinkPartials):
+        shrink_out = reduce_partials_ref(shrink_out, groups.token_adapter)
     slices = shrink_out.shape[0]
     if slice_offsets is None:
         width = lora_b.shape[1] // slices

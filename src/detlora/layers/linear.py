@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from detlora.config import LoRAReduction
 from detlora.layers.backend import OpBackend
 from detlora.layers.lora_slots import LoRAConfig, LoRASlots
 from detlora.ops.adapter_groups import AdapterGroups
@@ -49,17 +50,25 @@ class LinearBase(nn.Module):
         self.local_input_size = local_in
         self.local_output_sizes = local_out
         self.local_offsets = (0, *itertools.accumulate(local_out))
-        self.weight = nn.Parameter(
-            torch.empty(sum(local_out), local_in, dtype=dtype, device=device), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(sum(local_out), dtype=dtype, device=device),
-                         requires_grad=False)
-            if bias
-            else None
-        )
+        n = sum(local_out)
+        # in_gemm: the slots' A rows follow W's in one weight, so one GEMM gives x W^T and
+        # x A^T. weight (and bias) are views of the first n rows; the A rows start at zero.
+        extra = (lora.max_loras * len(local_out) * lora.max_lora_rank
+                 if lora and backend.lora_reduction is LoRAReduction.IN_GEMM else 0)
+        gemm_weight = torch.empty(n + extra, local_in, dtype=dtype, device=device)
+        gemm_weight[n:].zero_()
+        self.weight = nn.Parameter(gemm_weight[:n], requires_grad=False)
+        gemm_bias = None
+        if bias:
+            gemm_bias = torch.zeros(n + extra, dtype=dtype, device=device)
+        self.bias = nn.Parameter(gemm_bias[:n], requires_grad=False) if bias else None
+        # Not persistent: the checkpoint holds W (and b); the A rows are adapter state.
+        self.register_buffer("gemm_weight", gemm_weight if extra else None, persistent=False)
+        self.register_buffer("gemm_bias", gemm_bias if extra else None, persistent=False)
         self.lora = (
-            LoRASlots(local_in, local_out, lora, dtype=dtype, device=device) if lora else None
+            LoRASlots(local_in, local_out, lora, dtype=dtype, device=device,
+                      a_storage=gemm_weight[n:] if extra else None)
+            if lora else None
         )
 
     # ---- sharding hooks (identity here; tensor-parallel subclasses override) ----
@@ -123,6 +132,9 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
         if self.lora is None or lora is None:
             return self.backend.linear(x, self.weight, self.bias)
+        if self.gemm_weight is not None:
+            y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias)
+            return self.lora.expand_in_gemm(y_cat, self.weight.shape[0], lora, self.backend)
         return self.lora.around(x, lambda: self.backend.linear(x, self.weight, self.bias),
                                 lora, self.backend)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from detlora.layers.backend import OpBackend
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.lora_partials import ShrinkPartials
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,10 @@ class LoRASlots(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
+        a_storage: torch.Tensor | None = None,
     ) -> None:
+        """``a_storage`` ([L * S * R, in], zeros): where A lives when the base weight carries
+        it as extra output rows (``in_gemm``); A is then a view of it."""
         super().__init__()
         self.input_size = input_size
         self.output_sizes = tuple(int(n) for n in output_sizes)
@@ -56,10 +60,10 @@ class LoRASlots(nn.Module):
         slices, out = len(self.output_sizes), sum(self.output_sizes)
         rank, num = config.max_lora_rank, config.max_loras
         # Not persistent: adapter weights are not model weights (and not in weights_hash).
-        self.register_buffer(
-            "lora_a", torch.zeros(num, slices, rank, input_size, dtype=dtype, device=device),
-            persistent=False,
-        )
+        a_shape = (num, slices, rank, input_size)
+        lora_a = (torch.zeros(a_shape, dtype=dtype, device=device) if a_storage is None
+                  else a_storage.view(a_shape))
+        self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer(
             "lora_b", torch.zeros(num, out, rank, dtype=dtype, device=device), persistent=False
         )
@@ -125,6 +129,18 @@ class LoRASlots(nn.Module):
     ) -> torch.Tensor:
         """y += scale * (x A^T) B^T for every row whose slot is not -1 (in place)."""
         h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
+        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
+
+    def expand_in_gemm(
+        self, y_cat: torch.Tensor, n: int, groups: AdapterGroups, backend: OpBackend
+    ) -> torch.Tensor:
+        """``in_gemm``: y_cat = x [W; A]^T holds x W^T in its first ``n`` columns and x A^T of
+        every slot after them. Adds the LoRA term to the first part (in place) and returns
+        that part: a view with y_cat's row stride."""
+        y = y_cat[:, :n]
+        h = ShrinkPartials(y_cat[:, n:].unsqueeze(0), self.num_slices, self.config.max_lora_rank,
+                           tail_group=1, scale=self.lora_scale,
+                           adapter_stride=self.num_slices * self.config.max_lora_rank)
         return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
 
     def around(

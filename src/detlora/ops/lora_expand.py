@@ -86,6 +86,7 @@ def _expand_kernel(
     stride_ym,
     stride_yn,
     stride_hp,
+    stride_ha,
     stride_hs,
     stride_hm,
     stride_bl,
@@ -123,7 +124,7 @@ def _expand_kernel(
     n_ok = offs_n < width
     cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
 
-    h_rows = h_ptr + slice_id * stride_hs + rows * stride_hm
+    h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
     b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -176,8 +177,8 @@ def lora_expand(
         partials = _check_partials(shrink_out)
         h = partials.partials
         slices, m, rank = partials.slices, partials.num_rows, partials.rank
-        # [P, M, S * R]: part, slice and row strides of the kernel's h tile.
-        h_strides = (h.stride(0), rank, h.stride(1))
+        # [P, M, C]: part, adapter, slice and row strides of the kernel's h tile.
+        h_strides = (h.stride(0), partials.adapter_stride, rank, h.stride(1))
         scale = partials.scale
         num_parts, tail_group = partials.num_parts, partials.tail_group
     else:
@@ -185,7 +186,7 @@ def lora_expand(
             "shrink_out", shrink_out, ndim=3, dtypes=(torch.float32,), unit_last_stride=True
         )
         slices, m, rank = h.shape
-        h_strides = (0, h.stride(0), h.stride(1))
+        h_strides = (0, 0, h.stride(0), h.stride(1))
         scale = h  # unused
         num_parts, tail_group = 1, 1
     lora_b = check_tensor("lora_b", lora_b, ndim=3, dtypes=_WEIGHT_DTYPES, unit_last_stride=True)
@@ -236,15 +237,19 @@ def lora_expand(
 
 
 def _check_partials(sp: ShrinkPartials) -> ShrinkPartials:
-    check_tensor("shrink_out.partials", sp.partials, ndim=3, dtypes=(torch.float32,))
+    check_tensor("shrink_out.partials", sp.partials, ndim=3, dtypes=_OUTPUT_DTYPES,
+                 unit_last_stride=True)
     check_tensor("shrink_out.scale", sp.scale, ndim=1, dtypes=(torch.float32,))
-    if not sp.partials.is_contiguous():
-        raise ValueError("shrink_out.partials must be contiguous")
     if not 1 <= sp.rank <= MAX_LORA_RANK or sp.slices < 1:
         raise ValueError(f"shrink_out has {sp.slices} slices of rank {sp.rank}")
-    if sp.partials.shape[2] != sp.slices * sp.rank:
+    n = sp.slices * sp.rank
+    if sp.adapter_stride < 0 or 0 < sp.adapter_stride < n:
+        raise ValueError(f"shrink_out.adapter_stride must be 0 or >= slices x rank = {n}, "
+                         f"got {sp.adapter_stride}")
+    want = n + sp.adapter_stride * (sp.scale.shape[0] - 1)
+    if sp.partials.shape[2] != (want if sp.adapter_stride else n):
         raise ValueError(f"shrink_out.partials has {sp.partials.shape[2]} columns, not "
-                         f"slices x rank = {sp.slices * sp.rank}")
+                         f"{want if sp.adapter_stride else n} (slices x rank per adapter slot)")
     if sp.tail_group < 1:
         raise ValueError(f"shrink_out.tail_group must be >= 1, got {sp.tail_group}")
     return sp

@@ -18,6 +18,10 @@ Semantics:
     tail: no per-tile counter, no GPU-scope acquire/release, no last CTA that reloads every
     partial while the base GEMM waits for SMs. The expand, which reads the shrink output
     anyway, loads P small tiles instead of one.
+
+    With ``adapter_stride`` > 0 the partials hold every adapter slot side by side, slot a at
+    columns ``a * adapter_stride + s * R + r``: that is the ``in_gemm`` shrink, where the base
+    GEMM wrote x A^T for all slots (P = 1, model dtype, any row stride) next to x W^T.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import torch
 class ShrinkPartials:
     """What a deferred shrink returns; ``lora_expand`` takes it in place of [S, M, R]."""
 
-    partials: torch.Tensor  # [P, M, S * R] fp32, unscaled; rows without adapter unwritten
+    partials: torch.Tensor  # [P, M, C] unscaled, unit last stride; C = S * R (or L * S * R)
     slices: int
     rank: int
     tail_group: int  # partials per group of the tree (1: a flat ordered sum)
     scale: torch.Tensor  # [L] fp32, one per adapter slot
+    adapter_stride: int = 0  # columns between adapter slots (0: one set of S * R columns)
 
     @property
     def num_parts(self) -> int:
@@ -48,16 +53,18 @@ class ShrinkPartials:
 
 def reduce_partials_ref(sp: ShrinkPartials, token_adapter: torch.Tensor) -> torch.Tensor:
     """Torch reference: the fp32 [S, M, R] shrink output the partials stand for."""
-    _, m, n = sp.partials.shape
+    m, n = sp.num_rows, sp.slices * sp.rank
+    ids = token_adapter.to(torch.int64)
+    has = ids >= 0
+    cols = ids.clamp(min=0)[:, None] * sp.adapter_stride + torch.arange(n, device=ids.device)
+    parts = sp.partials.gather(2, cols.expand(sp.num_parts, m, n)).float()
     total = torch.zeros(m, n, dtype=torch.float32, device=sp.partials.device)
     group = torch.zeros_like(total)
     for p in range(sp.num_parts):
-        group = group + sp.partials[p]
+        group = group + parts[p]
         if (p + 1) % sp.tail_group == 0 or p == sp.num_parts - 1:
             total = total + group
             group = torch.zeros_like(total)
-    ids = token_adapter.to(torch.int64)
-    has = ids >= 0
     scale = sp.scale[ids.clamp(min=0)]
     h = torch.where(has[:, None], scale[:, None] * total, torch.zeros_like(total))
     return h.view(m, sp.slices, sp.rank).permute(1, 0, 2).contiguous()

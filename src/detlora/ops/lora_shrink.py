@@ -396,6 +396,9 @@ def lora_shrink(
     the [P, M, S * R] fp32 partials buffer (``partials_shape``), allocated if not given.
     """
     reduction = LoRAReduction.parse(reduction)
+    if reduction is LoRAReduction.IN_GEMM:
+        raise ValueError("reduction in_gemm has no shrink kernel: the base linear computes "
+                         "x A^T as extra output columns (LoRASlots.expand_in_gemm)")
     x = check_tensor("x", x, ndim=2, dtypes=_INPUT_DTYPES, unit_last_stride=True)
     lora_a = check_tensor("lora_a", lora_a, ndim=4, dtypes=_INPUT_DTYPES, unit_last_stride=True)
     num_adapters, slices, rank, hidden = lora_a.shape

@@ -271,13 +271,14 @@ def _fake_seqs(w: Any, b: int) -> list[Any]:
 
 def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
-        batches: tuple[int, ...] = (1, 64), lora: bool = True) -> dict[str, Any]:
+        batches: tuple[int, ...] = (1, 64), lora: bool = True,
+        lora_reduction: str | None = None) -> dict[str, Any]:
     from detlora.lora.request import LoRARequest
 
     plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
                    output_len=tokens, throughput_batches=batches)
-    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora},
-                           "rows": []}
+    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora,
+                                    "lora_reduction": lora_reduction}, "rows": []}
     with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
@@ -286,8 +287,10 @@ def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
         w = be._Workload(plan, loras if lora else [])
         for mode in modes:
-            llm = be._engine(root / "model", mode, plan, enable_lora=lora)
+            llm = be._engine(root / "model", mode, plan, enable_lora=lora,
+                             lora_reduction=lora_reduction)
             label = mode if lora else f"{mode}-nolora"
+            label += f"-{lora_reduction}" if lora_reduction else ""
             out["rows"] += _profile_mode(llm, label, w, batches, log)
             del llm
             be._free_gpu()
@@ -301,11 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="fast,batch_invariant")
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--lora-reduction", default=None,
+                        help="override every level's LoRA reduction (e.g. in_gemm)")
     parser.add_argument("--no-lora", action="store_true",
                         help="the base model alone (no LoRA slots, no adapters)")
     args = parser.parse_args(argv)
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
-               batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora)
+               batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
+               lora_reduction=args.lora_reduction)
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.profile_engine", *(argv or sys.argv[1:])])
