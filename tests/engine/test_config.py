@@ -38,7 +38,7 @@ def test_sampling_params_errors_name_the_field(kwargs, field):
 def test_engine_config_resolves_and_validates():
     c = EngineConfig(model="m")
     assert c.resolved_determinism is Determinism.BATCH_INVARIANT
-    assert c.resolved_lora_reduction is LoRAReduction.ORDERED_BI
+    assert c.resolved_lora_reduction is LoRAReduction.IN_GEMM
     c = EngineConfig(model="m", determinism="fast", lora_reduction="ordered")
     assert c.determinism is Determinism.FAST and c.resolved_lora_reduction is LoRAReduction.ORDERED
     for kwargs, field in [({"block_size": 12}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),

@@ -13,7 +13,7 @@ from detlora.ops.rms_norm import rms_norm_ref
 def test_cpu_backend_runs_the_references():
     b = make_backend("cpu")
     assert b.determinism is Determinism.RUN_TO_RUN
-    assert b.lora_reduction is LoRAReduction.ORDERED
+    assert b.lora_reduction is LoRAReduction.IN_GEMM
     assert b.rms_norm is rms_norm_ref
     desc = b.describe()
     ops = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
@@ -23,7 +23,8 @@ def test_cpu_backend_runs_the_references():
 
 
 def test_level_picks_the_lora_reduction_unless_overridden():
-    assert make_backend("cpu", "batch_invariant").lora_reduction is LoRAReduction.ORDERED_BI
+    assert make_backend("cpu", "batch_invariant").lora_reduction is LoRAReduction.IN_GEMM
+    assert make_backend("cpu", "run_to_run").lora_reduction is LoRAReduction.IN_GEMM
     assert make_backend("cpu", "fast").lora_reduction is LoRAReduction.ATOMIC
     b = make_backend("cpu", "fast", lora_reduction="tree")
     assert b.lora_reduction is LoRAReduction.TREE
@@ -65,5 +66,8 @@ def test_kernel_backend_binds_every_op_to_a_kernel():
     assert impls["batch_invariant"]["linear"] == "matmul.linear"
     assert impls["batch_invariant"]["paged_attention"] == "paged_attention.paged_attention"
     assert impls["fast"]["lora_shrink"].endswith("[atomic]")
-    assert impls["run_to_run"]["lora_shrink"].endswith("[ordered]")
-    assert impls["batch_invariant"]["lora_shrink"].endswith("[ordered_bi]")
+    # The deterministic levels compute the shrink in their own linear (in_gemm).
+    assert impls["run_to_run"]["lora_shrink"] == "in_gemm:torch.nn.functional.linear"
+    assert impls["batch_invariant"]["lora_shrink"] == "in_gemm:matmul.linear"
+    ordered = make_backend("cpu", "run_to_run", "ordered", dtype=torch.float16, kernels=True)
+    assert ordered.impls["lora_shrink"].endswith("[ordered]")

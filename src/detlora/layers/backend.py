@@ -169,11 +169,16 @@ def _reference_backend(
         return lora_expand_ref(y, shrink_out, lora_b, groups.token_adapter, slice_offsets)
 
     impls = {op: f"{mod}.{ref}" for op, (mod, ref, _) in _OPS.items()}
-    impls |= {"lora_shrink": "lora_shrink.lora_shrink_ref",
+    impls |= {"lora_shrink": _shrink_impl(reduction, impls, "lora_shrink.lora_shrink_ref"),
               "lora_expand": "lora_expand.lora_expand_ref"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls))
+
+
+def _shrink_impl(reduction: LoRAReduction, impls: Mapping[str, str], kernel: str) -> str:
+    """What computes the shrink: its kernel, or for in_gemm the level's linear."""
+    return f"in_gemm:{impls['linear']}" if reduction is LoRAReduction.IN_GEMM else kernel
 
 
 def _vendor_linear(
@@ -248,7 +253,8 @@ def _kernel_backend(
     def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
         return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
 
-    impls |= {"lora_shrink": f"lora_shrink.lora_shrink[{reduction.value}]",
+    impls |= {"lora_shrink": _shrink_impl(reduction, impls,
+                                          f"lora_shrink.lora_shrink[{reduction.value}]"),
               "lora_expand": "lora_expand.lora_expand"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
