@@ -30,3 +30,15 @@ def test_unknown_reduction_is_a_clear_error():
     with pytest.raises(ValueError, match="reduction must be one of"):
         shrink_config("fastest", 1, 3072, 16)
     assert LoRAReduction.parse("tree") is LoRAReduction.TREE
+
+
+def test_expand_tiles_narrow_at_decode_and_keep_block_r_per_rank():
+    from detlora.ops.lora_configs import DECODE_ROWS, expand_config
+
+    decode = expand_config(DECODE_ROWS, 16, 3072)
+    prefill = expand_config(DECODE_ROWS + 1, 16, 3072)
+    assert (decode.block_m, decode.block_n) == (32, 64)
+    assert (prefill.block_m, prefill.block_n) == (64, 128)
+    assert (expand_config(1, 16, 3072).block_m, expand_config(1, 16, 48).block_n) == (16, 64)
+    for rank in (1, 16, 24, 64, 128):  # the rank step: a function of the rank alone
+        assert len({expand_config(m, rank, 3072).block_r for m in (1, 16, 64, 65, 4096)}) == 1

@@ -176,9 +176,20 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
                         group_chunks=BI_GROUP_CHUNKS, cta_covers=covers)
 
 
+# Up to this many rows (decode) the expand takes narrower tiles: more CTAs for few rows. On the
+# H200 (benchmarks/results/expand_configs.json, Llama-3.2-3B projections, rank 16) 32 x 64
+# tiles were within 2% of the fastest of 24 tilings for all four projections at M = 64 (the
+# four summed: 12.1 against 13.5 us with 64 x 128), and 16 x 64 fastest at M = 16.
+DECODE_ROWS = 64
+
+
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
-    """Expand tiles; ``block_r`` depends on the rank alone."""
+    """Expand tiles; ``block_r`` depends on the rank alone, so the tiles never change a row's
+    bits (tests/gpu proves rows equal at every M)."""
     block_r = min(max(16, next_power_of_2(rank)), 64)
     bm = _block_m(num_rows)
-    bn = 128 if max_width >= 128 else _block_n(max_width)
+    cap = 128
+    if num_rows <= DECODE_ROWS:
+        bm, cap = min(bm, 32), 64
+    bn = cap if max_width >= cap else _block_n(max_width, cap)
     return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2)
