@@ -28,8 +28,9 @@ def qwen3(tmp_path_factory):
             make_adapter(base, root / "a2", r=4, alpha=8, seed=2), HFReference(base))
 
 
-def _model(base, level):
-    backend = make_backend("cpu", level, dtype=torch.float16, kernels=True, max_lora_rank=8)
+def _model(base, level, reduction=None):
+    backend = make_backend("cpu", level, reduction, dtype=torch.float16, kernels=True,
+                           max_lora_rank=8)
     assert not any(v.endswith("_ref") for v in backend.impls.values())
     model = load_model(base, dtype=torch.float16, backend=backend,
                        lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
@@ -52,10 +53,12 @@ def test_fast_kernels_match_hf(qwen3):
         assert rel_err(logits, ref.logits(ids, path)) < TOL
 
 
-def test_batch_invariant_kernels(qwen3):
-    """Match HF, and a prompt's logits alone equal its logits inside a mixed batch."""
+@pytest.mark.parametrize("reduction", [None, "ordered_bi"])  # None: the level's in_gemm
+def test_batch_invariant_kernels(qwen3, reduction):
+    """Match HF, and a prompt's logits alone equal its logits inside a mixed batch, with the
+    shrink in the GEMM (the default) or as its own split-invariant kernel."""
     base, a1, a2, ref = qwen3
-    model, manager = _model(base, "batch_invariant")
+    model, manager = _model(base, "batch_invariant", reduction)
     r1, r2 = LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2)
     target = [(5 * j + 1) % 300 for j in range(9)]
     others = [[(3 * j + 2) % 300 for j in range(n)] for n in (6, 2, 11)]

@@ -6,7 +6,8 @@ with their unequal GQA widths, gate/up), so one GEMM and one LoRA shrink serve a
 Tensor parallelism slots in beside these classes by overriding the sharding hooks of
 ``LinearBase``: ``local_sizes`` (the part of the layer this rank holds), ``shard`` (cut a
 full checkpoint or adapter tensor down to that part) and ``forward`` where the output needs a
-reduction (row-parallel: all-reduce the base output and the shrink output). Loaders and the
+reduction (row-parallel: all-reduce the base output and the shrink output; with ``in_gemm``
+the shrink columns ride in the base output, so one all-reduce serves both). Loaders and the
 LoRA manager always hand over *full* tensors and never need to know how the layer is split.
 """
 

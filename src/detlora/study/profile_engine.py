@@ -7,9 +7,11 @@ For each determinism level and batch size, on the model of ``bench_engine``:
   graph's input copies, is part of it), sampling, and the rest;
 * ``replay_us``: one decode graph replay alone (CUDA events, median), the GPU floor of a step;
 * ``kernels``: the profiler's kernel table of one replay (name, us per step, launches per step);
-* ``timeline``: one replay's kernels on their streams: the main stream's busy time and span,
-  and its idle time split by the kernel that waited (a gap before ``_expand_kernel`` is the
-  LoRA shrink on the side stream finishing after the base GEMM);
+* ``timeline``: one replay's kernels on the streams CUPTI reports: per stream, busy time; on the
+  stream with the most kernels, its span and its idle time split by the kernel after each gap.
+  In a graph replay CUPTI puts each forked branch on a stream of its own and either branch may
+  keep the launch stream, so a gap there can hold a kernel of the other branch (the side-stream
+  shrink, or the GEMM beside it): read the per-stream busy times, and the gaps as upper bounds;
 * ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix.
 
     python -m detlora.study.profile_engine --out out/profile_engine.json [--layers 28]
