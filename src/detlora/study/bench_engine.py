@@ -87,11 +87,13 @@ def write_model(path: Path, s: ModelShape, seed: int = 0) -> int:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    # Drawn on the GPU (6 GB in seconds); the CPU (tests, tiny shapes) draws other values.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
     def rnd(*size: int, std: float = 0.02) -> torch.Tensor:
-        t = torch.randn(*size, generator=g, device="cuda", dtype=torch.float32) * std
+        t = torch.randn(*size, generator=g, device=dev, dtype=torch.float32) * std
         return t.to(torch.bfloat16).cpu()
 
     w = {"model.embed_tokens.weight": rnd(s.vocab, s.hidden),
@@ -288,12 +290,13 @@ def _preemption(model_dir: Path, mode: str, w: _Workload, ref: list[Any],
 
 
 def _timed(fn: Callable[[], Any], trials: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(trials):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -22,18 +22,18 @@ every M), so they are free to tune.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import sys
-import tempfile
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from detlora.ops import lora_expand as expand_mod
 from detlora.ops.lora_configs import ExpandConfig
+from detlora.study.engine_variants import time_variants
 
 # (name, slice widths, input width): the Llama-3.2-3B projections.
 LAYERS = (("qkv", (3072, 1024, 1024)), ("o", (3072,)), ("gate_up", (8192, 8192)),
@@ -123,31 +123,21 @@ def _tuned(best: dict[int, dict[str, Any]]) -> Callable[[int, int, int], ExpandC
 
 def engine_rows(best: dict[int, dict[str, Any]],
                 log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from detlora.lora.request import LoRARequest
-    from detlora.study import bench_engine as be
-
-    plan = dataclasses.replace(be.BenchPlan(), throughput_batches=(64,))
     original = expand_mod.expand_config
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="detlora-expand-") as tmp:
-        root = Path(tmp)
-        be.write_model(root / "model", plan.shape)
-        be.write_adapter(root / "adapter0", plan.shape, seed=10)
-        w = be._Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
-        runs = [("fast", "default"), ("run_to_run", "default"), ("run_to_run", "tuned"),
-                ("fast", "tuned")]
+
+    @contextlib.contextmanager
+    def tiles(kind: str) -> Iterator[None]:
+        # Read when the decode graphs are captured, so it holds for this engine.
+        expand_mod.expand_config = original if kind == "default" else _tuned(best)
         try:
-            for mode, tiles in runs:
-                # Read when the decode graphs are captured, so it holds for this engine.
-                expand_mod.expand_config = original if tiles == "default" else _tuned(best)
-                llm = be._engine(root / "model", mode, plan)
-                for row in be._throughput(llm, f"{mode}:{tiles}", w, log):
-                    rows.append({**row, "mode": mode, "tiles": tiles})
-                del llm
-                be._free_gpu()
+            yield
         finally:
             expand_mod.expand_config = original
-    return rows
+
+    runs = [("fast", "default"), ("run_to_run", "default"), ("run_to_run", "tuned"),
+            ("fast", "tuned")]
+    return time_variants([(mode, k, lambda k=k: tiles(k)) for mode, k in runs], (64,),
+                         "tiles", log)
 
 
 def main(argv: list[str] | None = None) -> int:

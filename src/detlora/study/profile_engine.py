@@ -74,7 +74,8 @@ def _event_us(fn: Callable[[], Any], reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[dict[str, Any]]:
+def _profiled(fn: Callable[[], Any], steps: int) -> Any:
+    """The CUDA profiler over ``steps`` synchronised calls of ``fn`` (after one warm call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -82,7 +83,12 @@ def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+    return prof
+
+
+def _kernel_table(fn: Callable[[], Any], steps: int = 5, top: int = 40) -> list[dict[str, Any]]:
+    prof = _profiled(fn, steps)
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -98,14 +104,7 @@ def _timeline(fn: Callable[[], Any], steps: int = 5) -> dict[str, Any]:
     """Stream timeline of ``steps`` calls of ``fn`` (a graph replay): per stream, kernel busy
     time; on the main stream (the one that runs the most kernels), the idle time between
     kernels, charged to the kernel that starts after the gap."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-            torch.cuda.synchronize()
+    prof = _profiled(fn, steps)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))

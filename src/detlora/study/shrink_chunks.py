@@ -15,14 +15,13 @@ reference of the same run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import sys
-import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from detlora.ops import lora_configs
-from detlora.study import bench_engine as be
+from detlora.study.engine_variants import time_variants
 
 CHUNKS = (256, 768, 1536)
 
@@ -32,29 +31,20 @@ def _table(chunk: int, base: tuple[tuple[int, int, int, int, int], ...]) -> tupl
 
 
 def run(chunks: tuple[int, ...] = CHUNKS) -> list[dict[str, Any]]:
-    from detlora.lora.request import LoRARequest
-
-    plan = dataclasses.replace(be.BenchPlan(), throughput_batches=(1, 64))
     base = lora_configs._ORDERED_TABLE
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="detlora-shrink-chunks-") as tmp:
-        root = Path(tmp)
-        be.write_model(root / "model", plan.shape)
-        be.write_adapter(root / "adapter0", plan.shape, seed=10)
-        w = be._Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
-        runs = [("fast", None), *(("run_to_run", c) for c in chunks), ("fast", None)]
+
+    @contextlib.contextmanager
+    def table(chunk: int | None) -> Iterator[None]:
+        # Read when the decode graphs are captured, so it holds for this engine.
+        lora_configs._ORDERED_TABLE = base if chunk is None else _table(chunk, base)
         try:
-            for mode, chunk in runs:
-                # Read when the decode graphs are captured, so it holds for this engine.
-                lora_configs._ORDERED_TABLE = base if chunk is None else _table(chunk, base)
-                llm = be._engine(root / "model", mode, plan)
-                for row in be._throughput(llm, f"{mode}:{chunk}", w, print):
-                    rows.append({**row, "mode": mode, "chunk": chunk})
-                del llm
-                be._free_gpu()
+            yield
         finally:
             lora_configs._ORDERED_TABLE = base
-    return rows
+
+    runs = [("fast", None), *(("run_to_run", c) for c in chunks), ("fast", None)]
+    return time_variants([(mode, c, lambda c=c: table(c)) for mode, c in runs], (1, 64),
+                         "chunk")
 
 
 def main(argv: list[str] | None = None) -> int:
