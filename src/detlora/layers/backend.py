@@ -8,8 +8,9 @@ device and determinism level:
   references add no nondeterminism of their own; the CPU BLAS makes no batch-invariance
   promise, so on the CPU the levels differ only in the LoRA reduction they record.
 * CUDA: ``fast`` = cuBLAS linear + atomic LoRA shrink + split-KV attention + the detlora
-  row-wise kernels; ``run_to_run`` = the same with the ordered shrink; ``batch_invariant`` =
-  the split-invariant detlora linear + ordered_bi shrink + detlora paged attention, RMSNorm,
+  row-wise kernels; ``run_to_run`` = the same with the LoRA shrink inside the cuBLAS GEMM
+  (``in_gemm``); ``batch_invariant`` = the split-invariant detlora linear (the shrink inside
+  it, ``in_gemm``) + detlora paged attention, RMSNorm,
   log-softmax and argmax. Gathers and elementwise ops (embedding, rotary, silu_and_mul,
   write_kv) are batch-invariant by construction, so their torch references serve when no
   kernel exists. If a kernel a level needs is missing, ``make_backend`` refuses rather than
