@@ -178,8 +178,9 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
 
 # Up to this many rows (decode) the expand takes narrower tiles: more CTAs for few rows. On the
 # H200 (benchmarks/results/expand_configs.json, Llama-3.2-3B projections, rank 16) 32 x 64
-# tiles were within 2% of the fastest of 24 tilings for all four projections at M = 64 (the
-# four summed: 12.1 against 13.5 us with 64 x 128), and 16 x 64 fastest at M = 16.
+# tiles tied for the fastest of 24 tilings at M = 64, summed over the four projections (12.1
+# against 13.5 us with 64 x 128; each within 5% of its own best), and 16 x 64 was fastest at
+# M = 16 (10.5 against 10.8 us).
 DECODE_ROWS = 64
 
 
