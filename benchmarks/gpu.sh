@@ -2,7 +2,8 @@
 # Every GPU test and benchmark, in one call on the GPU machine (no installs there:
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
-#                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] ...
+#                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
+#                     [profile-levels] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,11 @@ import json, sys; json.dump(tile_sweep(), open(sys.argv[1], 'w'), indent=1)" \
     matmul-small-m) python3 -m detlora.study.bench_matmul --sweep --paths persistent --ms 1,64 \
                       --layers llama_o,llama_qkv,llama_down,qwen_down,qwen_o \
                       --out "$OUT/matmul_sweep_small_m_persistent.json" || status=1 ;;
+    split-kv-sweep) python3 -c "from detlora.study.bench_attention import split_kv_sweep; \
+import json, sys; json.dump(split_kv_sweep(), open(sys.argv[1], 'w'), indent=1)" \
+                      "$OUT/split_kv_sweep.json" || status=1 ;;
+    profile-levels) python3 -m detlora.study.profile_engine --modes run_to_run,batch_invariant \
+                      --batches 1,64 --tokens 16 --out "$OUT/profile_levels.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
                --out "$OUT/profile_engine.json" || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;

@@ -203,7 +203,8 @@ def mode_rows(model: str, plan: AttentionBenchPlan, device: torch.device,
 
 
 def _decode_calls(impl: str, b: int, ctx: int, hq: int, hk: int, d: int,
-                  device: torch.device) -> list[Callable[[], object]]:
+                  device: torch.device, num_splits: int | None = None,
+                  ) -> list[Callable[[], object]]:
     """Calls of one decode step, each on its own inputs, together larger than twice L2."""
     kv_bytes = 2 * b * ctx * hk * d * 2
     n = input_sets_for(kv_bytes, max_sets=32, min_sets=1)
@@ -230,7 +231,8 @@ def _decode_calls(impl: str, b: int, ctx: int, hq: int, hk: int, d: int,
     if impl == "split_kv":
         def call(i):
             return paged_attention_split_kv(qs[i], k_cache, v_cache, tables[i], seq_lens, qsl,
-                                            scale, out=outs[i], max_query_len=1)
+                                            scale, out=outs[i], max_query_len=1,
+                                            num_splits=num_splits)
     else:
         hint = 1 if impl == "detlora" else None
 
@@ -304,6 +306,41 @@ def tile_sweep(log: Callable[[str], None] = print) -> list[dict]:
                          "stages": stages, "segment": segment, "us": round(us, 2)})
             log(f"tiles b={b:3d} ctx={ctx:5d} w{warps} s{stages} seg{segment}: {us:8.2f} us "
                 f"(split_kv {ref:.2f} us, ratio {ref / us:.2f})")
+    return rows
+
+
+def split_kv_sweep(log: Callable[[str], None] = print) -> list[dict]:
+    """Decode latency of the fast split-KV kernel at the engine's short contexts (a 100-token
+    prompt plus up to 150 outputs) under other warps, stages, key blocks and split counts:
+    tuning data for ``split_kv_config``. That kernel's bits may change; timings only."""
+    from detlora.ops import paged_attention_split_kv as skv
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    hq, hk, d = MODELS["llama3b"]
+    default_cfg, default_bn = skv.split_kv_config, skv.BLOCK_N
+    rows = []
+    for b, ctx in ((16, 176), (64, 128), (64, 176), (64, 256), (256, 176)):
+        for warps, stages, block_n, splits in itertools.product(
+                (2, 4), (2, 3, 4), (32, 64, 128), (None, 2)):
+            skv.split_kv_config = lambda *_a, w=warps, s=stages: (16, w, s)
+            skv.BLOCK_N = block_n
+            try:
+                calls = _decode_calls("split_kv", b, ctx, hq, hk, d, device,
+                                      num_splits=splits)
+                us = time_graph_us(calls, replays=10)
+            except Exception as exc:  # a setting that does not fit is data
+                log(f"split_kv b={b} ctx={ctx} w{warps} s{stages} n{block_n} "
+                    f"splits={splits}: {exc!r}"[:300])
+                continue
+            finally:
+                skv.split_kv_config, skv.BLOCK_N = default_cfg, default_bn
+                torch.cuda.empty_cache()
+            floor = 2 * b * ctx * hk * d * 2 / HBM_BYTES_PER_S * 1e6
+            rows.append({"b": b, "ctx": ctx, "warps": warps, "stages": stages,
+                         "block_n": block_n, "splits": splits or "auto", "us": round(us, 2),
+                         "floor_us": round(floor, 2)})
+            log(f"split_kv b={b:3d} ctx={ctx:4d} w{warps} s{stages} n{block_n:3d} "
+                f"splits={splits or 'auto'}: {us:7.2f} us (floor {floor:.2f})")
     return rows
 
 

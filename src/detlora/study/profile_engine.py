@@ -12,6 +12,8 @@ For each determinism level and batch size, on the model of ``bench_engine``:
   In a graph replay CUPTI puts each forked branch on a stream of its own and either branch may
   keep the launch stream, so a gap there can hold a kernel of the other branch (the side-stream
   shrink, or the GEMM beside it): read the per-stream busy times, and the gaps as upper bounds;
+* ``prefill_forward_us``, ``prefill_kernels``: the first step (every prompt's prefill, eager)
+  timed alone and its kernel table;
 * ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix.
 
     python -m detlora.study.profile_engine --out out/profile_engine.json [--layers 28]
@@ -171,6 +173,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
 
     def build(*args: Any, **kwargs: Any) -> Any:
         step = original_build(*args, **kwargs)
+        last_step.setdefault("first", step)  # the prefill of every prompt
         last_step["step"] = step
         return step
 
@@ -199,6 +202,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
             idx = list(range(b))
             w.generate(llm, idx)  # warm-up
             clock.reset()
+            last_step.clear()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             w.generate(llm, idx)
@@ -216,6 +220,18 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                 row["replay_us"] = round(_event_us(g.replay), 1)
                 row["kernels"] = _kernel_table(g.replay)
                 row["timeline"] = _timeline(g.replay)
+            first = last_step.get("first")
+            if first is not None:  # the prefill step, eager (no graph), as generate runs it
+                batch = eng.runner.forward_batch(first)
+                with torch.inference_mode():
+                    row["prefill_forward_us"] = round(
+                        _event_us(lambda batch=batch: eng.model(batch), reps=5), 1)
+                    row["prefill_kernels"] = _kernel_table(
+                        lambda batch=batch: eng.model(batch), steps=2, top=25)
+                log(f"  prefill forward {row['prefill_forward_us']} us")
+                for k in row["prefill_kernels"][:15]:
+                    log(f"  p {k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  "
+                        f"{k['kernel']}")
             step = last_step.get("step")
             if step is not None:
                 batch = eng.runner.forward_batch(step)
