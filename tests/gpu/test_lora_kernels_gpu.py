@@ -170,3 +170,33 @@ def test_deferred_shrink_expands_to_the_same_bits(reduction, m, h, offsets):
     for _ in range(3):
         sp = lora_shrink(x, a, groups, scale, reduction=reduction, defer=True)
         assert torch.equal(lora_expand(y.clone(), sp, b, groups, offsets), want)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 257, 4096])
+@pytest.mark.parametrize("in_gemm", [False, True])
+def test_expand_fused_into_silu_and_mul_has_the_unfused_bits(m, in_gemm):
+    """The MLP's fused gate|up expand + SwiGLU equals the expand kernel then the silu_and_mul
+    kernel, bit for bit (Llama-3.2-3B widths, bf16), and a row's bits do not depend on M."""
+    from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
+    from detlora.ops.lora_partials import ShrinkPartials
+    from detlora.ops.silu_and_mul import silu_and_mul
+
+    inter, r, slots = 8192, 16, 4
+    x, a, ids, scale = _inputs(m, 3072, r, 2, slots, seed=m)
+    g = torch.Generator(device=DEV).manual_seed(m + 1)
+    b = (torch.randn(slots, 2 * inter, r, device=DEV, generator=g) / 4).to(torch.bfloat16)
+    y_cat = torch.randn(m, 2 * inter + slots * 2 * r, device=DEV, generator=g).to(torch.bfloat16)
+    y = y_cat[:, :2 * inter]
+    if in_gemm:
+        h = ShrinkPartials(y_cat[:, 2 * inter:].unsqueeze(0), 2, r, tail_group=1, scale=scale,
+                           adapter_stride=2 * r)
+    else:
+        h = lora_shrink(x, a, ids, scale, reduction="ordered")
+    groups = group_tokens(ids, slots)
+    got = lora_expand_silu_and_mul(y, h, b, groups)
+    assert torch.equal(got, silu_and_mul(lora_expand(y.clone(), h, b, groups)))
+    if in_gemm:  # row 0 alone (its own columns of y_cat) against row 0 inside M rows
+        h0 = ShrinkPartials(y_cat[:1, 2 * inter:].unsqueeze(0), 2, r, tail_group=1, scale=scale,
+                            adapter_stride=2 * r)
+        alone = lora_expand_silu_and_mul(y[:1], h0, b, group_tokens(ids[:1], slots))
+        assert torch.equal(alone[0], got[0])

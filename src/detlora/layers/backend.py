@@ -37,8 +37,9 @@ from detlora.ops._runtime import interpreting
 
 @dataclass(frozen=True)
 class OpBackend:
-    """The ops of one engine, bound to implementations. Every field but the last four is a
-    callable with the signature of the op's torch reference (see ``detlora.ops``)."""
+    """The ops of one engine, bound to implementations. Every field from ``embedding`` to
+    ``lora_expand`` is a callable with the signature of the op's torch reference (see
+    ``detlora.ops``)."""
 
     embedding: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -58,10 +59,21 @@ class OpBackend:
     determinism: Determinism
     lora_reduction: LoRAReduction
     impls: Mapping[str, str] = field(default_factory=dict)  # op -> implementation, for fingerprints
+    # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
+    # the unfused ops' bits; None: the two ops one after the other.
+    lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
         return f"{self.device.type}-{self.determinism.value}-{self.lora_reduction.value}"
+
+    def expand_silu_and_mul(
+        self, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor, groups: Any
+    ) -> torch.Tensor:
+        """SwiGLU of a gate|up output ``y`` plus its LoRA update (``y`` may be overwritten)."""
+        if self.lora_expand_silu_and_mul is not None:
+            return self.lora_expand_silu_and_mul(y, shrink_out, lora_b, groups)
+        return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None))
 
     def describe(self) -> dict[str, str]:
         """What decides the bits of this backend: level, LoRA reduction, one entry per op."""
@@ -225,6 +237,7 @@ def _kernel_backend(
     allow_reference_fallback: bool,
 ) -> OpBackend:
     from detlora.ops.lora_expand import lora_expand
+    from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
     from detlora.ops.lora_shrink import lora_shrink
     from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace
 
@@ -256,7 +269,9 @@ def _kernel_backend(
 
     impls |= {"lora_shrink": _shrink_impl(reduction, impls,
                                           f"lora_shrink.lora_shrink[{reduction.value}]"),
-              "lora_expand": "lora_expand.lora_expand"}
+              "lora_expand": "lora_expand.lora_expand",
+              "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
-                     impls=MappingProxyType(impls))
+                     impls=MappingProxyType(impls),
+                     lora_expand_silu_and_mul=lora_expand_silu_and_mul)

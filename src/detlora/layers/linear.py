@@ -5,10 +5,11 @@ with their unequal GQA widths, gate/up), so one GEMM and one LoRA shrink serve a
 
 Tensor parallelism slots in beside these classes by overriding the sharding hooks of
 ``LinearBase``: ``local_sizes`` (the part of the layer this rank holds), ``shard`` (cut a
-full checkpoint or adapter tensor down to that part) and ``forward`` where the output needs a
-reduction (row-parallel: all-reduce the base output and the shrink output; with ``in_gemm``
-the shrink columns ride in the base output, so one all-reduce serves both). Loaders and the
-LoRA manager always hand over *full* tensors and never need to know how the layer is split.
+full checkpoint or adapter tensor down to that part) and ``forward_unexpanded`` where the
+output needs a reduction (row-parallel: all-reduce the base output and the shrink output;
+with ``in_gemm`` the shrink columns ride in the base output, so one all-reduce serves both).
+Loaders and the LoRA manager always hand over *full* tensors and never need to know how the
+layer is split.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from detlora.config import LoRAReduction
 from detlora.layers.backend import OpBackend
-from detlora.layers.lora_slots import LoRAConfig, LoRASlots
+from detlora.layers.lora_slots import LoRAConfig, LoRASlots, PendingLoRA
 from detlora.ops.adapter_groups import AdapterGroups
 
 
@@ -131,13 +132,26 @@ class LinearBase(nn.Module):
     # ---- compute ----
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
+        y, pending = self.forward_unexpanded(x, lora)
+        if pending is None:
+            return y
+        return self.backend.lora_expand(y, pending.shrink_out, pending.lora_b, lora,
+                                        pending.slice_offsets)
+
+    def forward_unexpanded(
+        self, x: torch.Tensor, lora: AdapterGroups | None = None
+    ) -> tuple[torch.Tensor, PendingLoRA | None]:
+        """(x W^T (+ b), the LoRA term still to expand into it, or None without LoRA): for a
+        consumer that fuses the expand into its own op (``GatedMLP``)."""
         if self.lora is None or lora is None:
-            return self.backend.linear(x, self.weight, self.bias)
+            return self.backend.linear(x, self.weight, self.bias), None
         if self.gemm_weight is not None:
             y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias)
-            return self.lora.expand_in_gemm(y_cat, self.weight.shape[0], lora, self.backend)
-        return self.lora.around(x, lambda: self.backend.linear(x, self.weight, self.bias),
-                                lora, self.backend)
+            y, h = self.lora.split_in_gemm(y_cat, self.weight.shape[0])
+        else:
+            y, h = self.lora.shrink_beside(
+                x, lambda: self.backend.linear(x, self.weight, self.bias), lora, self.backend)
+        return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets)
 
     def _check_slice(self, slice_index: int) -> None:
         if not 0 <= slice_index < len(self.output_sizes):

@@ -20,6 +20,16 @@ from detlora.ops.lora_partials import ShrinkPartials
 
 
 @dataclass(frozen=True)
+class PendingLoRA:
+    """A layer's LoRA term before its expand: what ``lora_expand`` takes besides y and the
+    groups. The consumer of y runs the expand, alone or fused into its own op."""
+
+    shrink_out: torch.Tensor | ShrinkPartials
+    lora_b: torch.Tensor
+    slice_offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     """How many adapters the model holds at once and their largest rank."""
 
@@ -131,32 +141,31 @@ class LoRASlots(nn.Module):
         h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
         return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
 
-    def expand_in_gemm(
-        self, y_cat: torch.Tensor, n: int, groups: AdapterGroups, backend: OpBackend
-    ) -> torch.Tensor:
+    def split_in_gemm(self, y_cat: torch.Tensor, n: int) -> tuple[torch.Tensor, ShrinkPartials]:
         """``in_gemm``: y_cat = x [W; A]^T holds x W^T in its first ``n`` columns and x A^T of
-        every slot after them. Adds the LoRA term to the first part (in place) and returns
-        that part: a view with y_cat's row stride."""
-        y = y_cat[:, :n]
+        every slot after them. Returns (x W^T, a view with y_cat's row stride; the shrink
+        output as adapter-strided partials that ``lora_expand`` takes: x A^T rounded to the
+        model dtype, as PEFT's lora_A output is, and scaled in the expand)."""
         h = ShrinkPartials(y_cat[:, n:].unsqueeze(0), self.num_slices, self.config.max_lora_rank,
                            tail_group=1, scale=self.lora_scale,
                            adapter_stride=self.num_slices * self.config.max_lora_rank)
-        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
+        return y_cat[:, :n], h
 
-    def around(
+    def shrink_beside(
         self, x: torch.Tensor, base: Callable[[], torch.Tensor], groups: AdapterGroups,
         backend: OpBackend,
-    ) -> torch.Tensor:
-        """``base()`` (the layer's x W^T) plus the LoRA term, as ``apply`` computes it.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``base()``, the layer's x W^T; the shrink output [S, M, R]), both ready on the
+        current stream: the expand that takes them is the caller's.
 
         On CUDA the shrink, which needs only x, runs on a side stream while ``base`` runs, and
-        the expand waits for both: the shrink leaves the critical path (in a CUDA graph the
-        fork and join become graph edges). Same kernels, same inputs, so the same bits; the
-        shrinks stay ordered among themselves on the one side stream, so their workspace is
-        never used by two kernels at once.
+        the current stream waits for both: the shrink leaves the critical path (in a CUDA graph
+        the fork and join become graph edges). Same kernels, same inputs, so the same bits;
+        the shrinks stay ordered among themselves on the one side stream, so their workspace
+        is never used by two kernels at once.
         """
         if x.device.type != "cuda":
-            return self.apply(x, base(), groups, backend)
+            return base(), backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
         main = torch.cuda.current_stream(x.device)
         side = _side_stream(x.device)
         # Allocated on the main stream, which reads it last: no cross-stream frees.
@@ -167,7 +176,7 @@ class LoRASlots(nn.Module):
             backend.lora_shrink(x, self.lora_a, groups, self.lora_scale, out=h)
         y = base()
         main.wait_stream(side)
-        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
+        return y, h
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.config.max_loras:

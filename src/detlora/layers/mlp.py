@@ -1,4 +1,5 @@
-"""SwiGLU MLP: fused gate|up projection, SiLU(gate) * up, down projection."""
+"""SwiGLU MLP: fused gate|up projection, SiLU(gate) * up (with the gate|up LoRA expand),
+down projection."""
 
 from __future__ import annotations
 
@@ -30,5 +31,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, **common)
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
-        h = self.backend.silu_and_mul(self.gate_up_proj(x, lora))
+        gate_up, pending = self.gate_up_proj.forward_unexpanded(x, lora)
+        if pending is None:
+            h = self.backend.silu_and_mul(gate_up)
+        else:  # the gate|up expand fused into the activation: one launch, same bits
+            h = self.backend.expand_silu_and_mul(gate_up, pending.shrink_out, pending.lora_b,
+                                                 lora)
         return self.down_proj(h, lora)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -67,6 +68,47 @@ def lora_expand_ref(
             t = (h @ lora_b[a, lo:hi].float().T).to(y.dtype)
             y[rows, lo:hi] += t
     return y
+
+
+@triton.jit
+def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
+                stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                EVEN_R: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N]: h[rows] @ B[adapter, cols]^T of one slice, unrounded. The rank
+    is summed in BLOCK_R steps (a function of R alone), so any tiling gives the same bits."""
+    h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
+    b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PARTIALS:
+        scale = tl.load(scale_ptr + adapter)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + offs_r
+        r_ok = r < R
+        if PARTIALS:
+            # The shrink's tree: groups of TAIL_GROUP partials from zero, group sums added
+            # to a total from zero, then scaled. Unrolled: every load is issued up front.
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for p in tl.static_range(NUM_PARTS):
+                group_sum += tl.load(h_rows[:, None] + p * stride_hp + r[None, :],
+                                     mask=r_ok[None, :], other=0.0)
+                if (p + 1) % TAIL_GROUP == 0 or p == NUM_PARTS - 1:
+                    total += group_sum
+                    group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            hb = total * scale
+        elif EVEN_R:
+            hb = tl.load(h_rows[:, None] + r[None, :])
+        else:
+            hb = tl.load(h_rows[:, None] + r[None, :], mask=r_ok[None, :], other=0.0)
+        if EVEN_R:
+            bb = tl.load(b_cols[None, :] + r[:, None])
+        else:
+            bb = tl.load(b_cols[None, :] + r[:, None], mask=r_ok[:, None], other=0.0)
+        acc += tl.dot(hb.to(bb.dtype), bb)
+    return acc
 
 
 @triton.jit
@@ -124,37 +166,9 @@ def _expand_kernel(
     n_ok = offs_n < width
     cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
 
-    h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
-    b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
-    offs_r = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PARTIALS:
-        scale = tl.load(scale_ptr + adapter)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + offs_r
-        r_ok = r < R
-        if PARTIALS:
-            # The shrink's tree: groups of TAIL_GROUP partials from zero, group sums added
-            # to a total from zero, then scaled. Unrolled: every load is issued up front.
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p in tl.static_range(NUM_PARTS):
-                group_sum += tl.load(h_rows[:, None] + p * stride_hp + r[None, :],
-                                     mask=r_ok[None, :], other=0.0)
-                if (p + 1) % TAIL_GROUP == 0 or p == NUM_PARTS - 1:
-                    total += group_sum
-                    group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            hb = total * scale
-        elif EVEN_R:
-            hb = tl.load(h_rows[:, None] + r[None, :])
-        else:
-            hb = tl.load(h_rows[:, None] + r[None, :], mask=r_ok[None, :], other=0.0)
-        if EVEN_R:
-            bb = tl.load(b_cols[None, :] + r[:, None])
-        else:
-            bb = tl.load(b_cols[None, :] + r[:, None], mask=r_ok[:, None], other=0.0)
-        acc += tl.dot(hb.to(bb.dtype), bb)
-
+    acc = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
+                      stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
+                      TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
     ok = m_ok[:, None] & n_ok[None, :]
     y_old = tl.load(y_ptrs, mask=ok, other=0.0)
@@ -162,22 +176,38 @@ def _expand_kernel(
     tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def lora_expand(
+@dataclass(frozen=True)
+class ExpandArgs:
+    """A checked expand call, as the kernels take it (shared with the fused expand ops)."""
+
+    h: torch.Tensor  # the shrink output, or the partials' storage
+    h_strides: tuple[int, int, int, int]  # part, adapter, slice and row strides of h
+    scale: torch.Tensor  # fp32 [L] (partials only; any tensor otherwise)
+    num_parts: int
+    tail_group: int
+    partials: bool
+    rank: int
+    offsets: list[int]  # S + 1 column offsets
+    groups: AdapterGroups
+
+    @property
+    def widths(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.offsets)]
+
+
+def expand_args(
     y: torch.Tensor,
     shrink_out: torch.Tensor | ShrinkPartials,
     lora_b: torch.Tensor,
     groups: AdapterGroups | torch.Tensor,
-    slice_offsets: Sequence[int] | None = None,
-    *,
-    config: ExpandConfig | None = None,
-) -> torch.Tensor:
-    """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
+    slice_offsets: Sequence[int] | None,
+) -> ExpandArgs:
+    """Check an expand's operands (see ``lora_expand``) and put them in kernel form."""
     y = check_tensor("y", y, ndim=2, dtypes=_OUTPUT_DTYPES)
     if isinstance(shrink_out, ShrinkPartials):
         partials = _check_partials(shrink_out)
         h = partials.partials
         slices, m, rank = partials.slices, partials.num_rows, partials.rank
-        # [P, M, C]: part, adapter, slice and row strides of the kernel's h tile.
         h_strides = (h.stride(0), partials.adapter_stride, rank, h.stride(1))
         scale = partials.scale
         num_parts, tail_group = partials.num_parts, partials.tail_group
@@ -214,23 +244,37 @@ def lora_expand(
         )
     check_same_device(y=y, shrink_out=h, lora_b=lora_b, scale=scale,
                       token_adapter=groups.token_adapter)
+    return ExpandArgs(h, h_strides, scale, num_parts, tail_group,
+                      isinstance(shrink_out, ShrinkPartials), rank, offsets, groups)
 
-    widths = [offsets[i + 1] - offsets[i] for i in range(slices)]
-    cfg = config or expand_config(m, rank, max(widths))
+
+def lora_expand(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor | ShrinkPartials,
+    lora_b: torch.Tensor,
+    groups: AdapterGroups | torch.Tensor,
+    slice_offsets: Sequence[int] | None = None,
+    *,
+    config: ExpandConfig | None = None,
+) -> torch.Tensor:
+    """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
+    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
+    m, widths = y.shape[0], e.widths
+    cfg = config or expand_config(m, e.rank, max(widths))
     if not isinstance(cfg, ExpandConfig):
         raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
-    padded = offsets + [offsets[-1]] * (MAX_SLICES + 1 - len(offsets))
-    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), slices, groups.num_groups)
+    padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
+    g = e.groups
+    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), g.num_groups)
     _expand_kernel[grid](
-        y, h, lora_b, scale,
-        groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
-        rank, padded[1], padded[2], padded[3],
-        y.stride(0), y.stride(1), *h_strides,
+        y, e.h, lora_b, e.scale,
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
+        e.rank, padded[1], padded[2], padded[3],
+        y.stride(0), y.stride(1), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
-        NUM_PARTS=num_parts, TAIL_GROUP=tail_group,
-        PARTIALS=isinstance(shrink_out, ShrinkPartials),
+        NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=rank % cfg.block_r == 0,
+        EVEN_R=e.rank % cfg.block_r == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -274,4 +318,4 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
     return offsets
 
 
-__all__ = ["lora_expand", "lora_expand_ref"]
+__all__ = ["ExpandArgs", "expand_args", "lora_expand", "lora_expand_ref", "lora_update"]

@@ -1,0 +1,162 @@
+"""LoRA expand of a gate|up projection fused with SwiGLU: one kernel instead of two.
+
+Semantics:
+    y: [M, 2 * I] bf16/fp16/fp32, the base gate|up output (any row stride); shrink_out and
+    lora_b as ``lora_expand`` takes them, with two slices of I columns each (gate, up).
+
+        out = silu_and_mul_ref(lora_expand_ref(y.clone(), shrink_out, lora_b, groups))   # [M, I]
+
+    ``y`` is read and never written. Each element is computed exactly as the two kernels
+    compute it one after the other (the expand's update rounded to y's dtype and added, the
+    sum rounded, then ``g / (1 + exp(-g)) * u`` in fp32, rounded once), so the fused op has
+    the unfused ops' bits: it is as deterministic and batch-invariant as they are. What it
+    saves is the second launch and the round trip of the updated [M, 2 I] through memory.
+
+Kernel: programs over (row tiles x column tiles of I, adapter groups), like the expand's; a
+program loads its gate and up tiles, adds both slices' updates when its group has an
+adapter, and stores SiLU(gate) * up. Rows without an adapter form a group of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from detlora.ops._runtime import cdiv
+from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.checks import check_shape, check_tensor
+from detlora.ops.lora_configs import ExpandConfig, expand_config
+from detlora.ops.lora_expand import expand_args, lora_expand_ref, lora_update
+from detlora.ops.lora_partials import ShrinkPartials
+from detlora.ops.silu_and_mul import silu_and_mul_ref
+
+
+def lora_expand_silu_and_mul_ref(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor | ShrinkPartials,
+    lora_b: torch.Tensor,
+    token_adapter: torch.Tensor,
+    slice_offsets: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Torch reference: the two ops one after the other (``y`` left as it was)."""
+    return silu_and_mul_ref(lora_expand_ref(y.clone(), shrink_out, lora_b, token_adapter,
+                                            slice_offsets))
+
+
+@triton.jit
+def _expand_silu_and_mul_kernel(
+    y_ptr,
+    out_ptr,
+    h_ptr,
+    b_ptr,
+    scale_ptr,
+    rows_ptr,
+    group_start_ptr,
+    group_size_ptr,
+    group_adapter_ptr,
+    R,
+    inter,
+    stride_ym,
+    stride_yn,
+    stride_om,
+    stride_hp,
+    stride_ha,
+    stride_hs,
+    stride_hm,
+    stride_bl,
+    stride_bn,
+    NUM_PARTS: tl.constexpr,
+    TAIL_GROUP: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr,
+):
+    # Grid: (m tiles x n tiles of I, groups).
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    tile_n = pid % n_tiles
+    tile_m = pid // n_tiles
+    group_rows = tl.load(group_size_ptr + group)
+    if tile_m * BLOCK_M >= group_rows:
+        return
+    adapter = tl.load(group_adapter_ptr + group)
+    row_start = tl.load(group_start_ptr + group)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < group_rows
+    rows = tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    cols = offs_n % inter  # padding columns wrap onto real ones: loads need no mask
+    ok = m_ok[:, None] & n_ok[None, :]
+    g_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+    g = tl.load(g_ptrs, mask=ok, other=0.0)
+    u = tl.load(g_ptrs + inter * stride_yn, mask=ok, other=0.0)
+    if adapter >= 0:
+        dg = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 0, rows, cols, R, stride_hp,
+                         stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
+                         TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+        du = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 1, rows, cols + inter, R,
+                         stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+        # The expand's arithmetic: update rounded to y's dtype, added in fp32, rounded.
+        g = (g.to(tl.float32) + dg.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
+            y_ptr.dtype.element_ty)
+        u = (u.to(tl.float32) + du.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
+            y_ptr.dtype.element_ty)
+    # silu_and_mul's arithmetic.
+    gf = g.to(tl.float32)
+    act = gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], act.to(
+        out_ptr.dtype.element_ty), mask=ok)
+
+
+def lora_expand_silu_and_mul(
+    y: torch.Tensor,
+    shrink_out: torch.Tensor | ShrinkPartials,
+    lora_b: torch.Tensor,
+    groups: AdapterGroups | torch.Tensor,
+    slice_offsets: Sequence[int] | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: ExpandConfig | None = None,
+) -> torch.Tensor:
+    """``silu(gate') * up'`` where gate'|up' = y + the LoRA update (module docstring):
+    returns [M, I] in y's dtype and leaves ``y`` unchanged."""
+    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
+    m, widths = y.shape[0], e.widths
+    if len(widths) != 2 or widths[0] != widths[1]:
+        raise ValueError(f"lora_expand_silu_and_mul needs two slices of equal width (gate, "
+                         f"up), got widths {widths}")
+    inter = widths[0]
+    if out is None:
+        out = torch.empty(m, inter, dtype=y.dtype, device=y.device)
+    else:
+        check_tensor("out", out, ndim=2, dtypes=(y.dtype,), unit_last_stride=True)
+        check_shape("out", out, (m, inter))
+    if m == 0:
+        return out
+    cfg = config or expand_config(m, e.rank, inter)
+    if not isinstance(cfg, ExpandConfig):
+        raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    g = e.groups
+    grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), g.num_groups)
+    _expand_silu_and_mul_kernel[grid](
+        y, out, e.h, lora_b, e.scale,
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
+        e.rank, inter, y.stride(0), y.stride(1), out.stride(0), *e.h_strides,
+        lora_b.stride(0), lora_b.stride(1),
+        NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        EVEN_R=e.rank % cfg.block_r == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+__all__ = ["lora_expand_silu_and_mul", "lora_expand_silu_and_mul_ref"]
