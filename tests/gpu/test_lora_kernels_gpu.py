@@ -200,3 +200,48 @@ def test_expand_fused_into_silu_and_mul_has_the_unfused_bits(m, in_gemm):
                             adapter_stride=2 * r)
         alone = lora_expand_silu_and_mul(y[:1], h0, b, group_tokens(ids[:1], slots))
         assert torch.equal(alone[0], got[0])
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 257, 4096])
+@pytest.mark.parametrize("hidden", [3072, 1024])
+@pytest.mark.parametrize("in_gemm", [False, True])
+def test_expand_fused_into_add_rms_norm(m, hidden, in_gemm):
+    """o/down's expand inside the residual add + RMSNorm (bf16): close to the reference; rows
+    without adapter bit-equal to fused_add_rms_norm; a row's bits independent of M."""
+    from detlora.ops.lora_expand_add_rms_norm import (
+        lora_expand_add_rms_norm,
+        lora_expand_add_rms_norm_ref,
+    )
+    from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
+    from detlora.ops.rms_norm import fused_add_rms_norm
+
+    r, slots = 16, 4
+    x_in, a, ids, scale = _inputs(m, 2048, r, 1, slots, seed=m + hidden)
+    g = torch.Generator(device=DEV).manual_seed(m)
+    b = (torch.randn(slots, hidden, r, device=DEV, generator=g) / 4).to(torch.bfloat16)
+    y_cat = torch.randn(m, hidden + slots * r, device=DEV, generator=g).to(torch.bfloat16)
+    x = y_cat[:, :hidden]  # the engine's strided in_gemm view
+    res = torch.randn(m, hidden, device=DEV, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV, generator=g)).to(torch.bfloat16)
+    if in_gemm:
+        h = ShrinkPartials(y_cat[:, hidden:].unsqueeze(0), 1, r, tail_group=1, scale=scale,
+                           adapter_stride=r)
+    else:
+        h = lora_shrink(x_in, a, ids, scale, reduction="ordered")
+    groups = group_tokens(ids, slots)
+    y, new_res = lora_expand_add_rms_norm(x, res, w, 1e-5, h, b, groups)
+    h_ref = reduce_partials_ref(h, ids) if in_gemm else h
+    want_y, want_res = lora_expand_add_rms_norm_ref(x.double(), res.double(), w.double(), 1e-5,
+                                                    h_ref.double(), b.double(), ids)
+    assert float((y.double() - want_y).norm() / want_y.norm()) < 1e-2
+    assert float((new_res.double() - want_res).norm() / want_res.norm()) < 1e-2
+    plain_y, plain_res = fused_add_rms_norm(x, res, w, 1e-5)
+    base = ids < 0
+    assert torch.equal(y[base], plain_y[base]) and torch.equal(new_res[base], plain_res[base])
+    for i in {0, m // 2, m - 1}:
+        hi = (ShrinkPartials(y_cat[i:i + 1, hidden:].unsqueeze(0), 1, r, tail_group=1,
+                             scale=scale, adapter_stride=r)
+              if in_gemm else h[:, i:i + 1].contiguous())
+        ya, ra = lora_expand_add_rms_norm(x[i:i + 1], res[i:i + 1], w, 1e-5, hi, b,
+                                          group_tokens(ids[i:i + 1], slots))
+        assert torch.equal(ya[0], y[i]) and torch.equal(ra[0], new_res[i])

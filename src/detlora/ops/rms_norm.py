@@ -68,17 +68,17 @@ def fused_add_rms_norm_ref(
 
 
 @triton.jit
-def _inv_rms(sum_sq, eps, H: tl.constexpr):
+def inv_rms(sum_sq, eps, H: tl.constexpr):
     """1 / sqrt(mean + eps) per row; the mean is correctly rounded, as torch's."""
     return tl.rsqrt(tl.div_rn(sum_sq, H) + eps)
 
 
 @triton.jit
-def _normalize_store(x, inv_rms, w_ptr, y_rows, o, ok, H: tl.constexpr):
+def normalize_store(x, inv, w_ptr, y_rows, o, ok, H: tl.constexpr):
     """y = (x * inv_rms) * w, in the reference's order; x is an fp32 [ROWS, BLOCK] tile."""
     # One weight load per program, shared by its rows.
     w = tl.load(w_ptr + o, mask=o < H, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    y = x * inv_rms[:, None] * w[None, :]
+    y = x * inv[:, None] * w[None, :]
     # evict_first: the output is streamed out. Measured on the H200
     # (benchmarks/results/rms_norm_store_hints.json): 1-9% faster for rms_norm at M 1024-4096,
     # neutral for the fused op.
@@ -109,8 +109,8 @@ def _rms_norm_kernel(
         ok = row_ok & (offs < H)[None, :]
         x = tl.load(x_rows + offs[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         x = x.to(tl.float32)
-        inv_rms = _inv_rms(tl.sum(x * x, axis=1), eps, H)
-        _normalize_store(x, inv_rms, w_ptr, y_rows, offs, ok, H)
+        inv = inv_rms(tl.sum(x * x, axis=1), eps, H)
+        normalize_store(x, inv, w_ptr, y_rows, offs, ok, H)
     else:
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for b in range(NUM_BLOCKS):
@@ -118,12 +118,12 @@ def _rms_norm_kernel(
             ok = row_ok & (o < H)[None, :]
             x = tl.load(x_rows + o[None, :], mask=ok, other=0.0).to(tl.float32)
             acc += x * x
-        inv_rms = _inv_rms(tl.sum(acc, axis=1), eps, H)
+        inv = inv_rms(tl.sum(acc, axis=1), eps, H)
         for b in range(NUM_BLOCKS):
             o = b * BLOCK + offs
             ok = row_ok & (o < H)[None, :]
             x = tl.load(x_rows + o[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
-            _normalize_store(x.to(tl.float32), inv_rms, w_ptr, y_rows, o, ok, H)
+            normalize_store(x.to(tl.float32), inv, w_ptr, y_rows, o, ok, H)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -159,8 +159,8 @@ def _fused_add_rms_norm_kernel(
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(ro_rows + offs[None, :], s.to(res_out_ptr.dtype.element_ty), mask=ok)
         sf = s.to(tl.float32)
-        inv_rms = _inv_rms(tl.sum(sf * sf, axis=1), eps, H)
-        _normalize_store(sf, inv_rms, w_ptr, y_rows, offs, ok, H)
+        inv = inv_rms(tl.sum(sf * sf, axis=1), eps, H)
+        normalize_store(sf, inv, w_ptr, y_rows, offs, ok, H)
     else:
         acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for b in range(NUM_BLOCKS):
@@ -172,7 +172,7 @@ def _fused_add_rms_norm_kernel(
             tl.store(ro_rows + o[None, :], s.to(res_out_ptr.dtype.element_ty), mask=ok)
             sf = s.to(tl.float32)
             acc += sf * sf
-        inv_rms = _inv_rms(tl.sum(acc, axis=1), eps, H)
+        inv = inv_rms(tl.sum(acc, axis=1), eps, H)
         # Pass 2 reads the new residual back: it may alias the old one (in-place use), and
         # other threads of this program wrote parts of it, hence the barrier.
         tl.debug_barrier()
@@ -180,7 +180,7 @@ def _fused_add_rms_norm_kernel(
             o = b * BLOCK + offs
             ok = row_ok & (o < H)[None, :]
             s = tl.load(ro_rows + o[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
-            _normalize_store(s.to(tl.float32), inv_rms, w_ptr, y_rows, o, ok, H)
+            normalize_store(s.to(tl.float32), inv, w_ptr, y_rows, o, ok, H)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -237,7 +237,7 @@ def check_rms_norm_config(config: object, hidden: int) -> RmsNormConfig:
 # ----------------------------------------------------------------------------- wrappers
 
 
-def _check_eps(eps: float) -> float:
+def check_eps(eps: float) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise ValueError(f"eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:
@@ -245,20 +245,20 @@ def _check_eps(eps: float) -> float:
     return float(eps)
 
 
-def _check_rows(name: str, x: object) -> torch.Tensor:
+def check_rows(name: str, x: object) -> torch.Tensor:
     x = check_tensor(name, x, ndim=2, dtypes=_DTYPES, unit_last_stride=True)
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{name} must have at least one row and column, got {tuple(x.shape)}")
     return x
 
 
-def _check_out(name: str, out: object, like: torch.Tensor) -> torch.Tensor:
+def check_out(name: str, out: object, like: torch.Tensor) -> torch.Tensor:
     out = check_tensor(name, out, ndim=2, dtypes=(like.dtype,), unit_last_stride=True)
     check_shape(name, out, like.shape)
     return out
 
 
-def _check_weight(weight: object, hidden: int) -> torch.Tensor:
+def check_weight(weight: object, hidden: int) -> torch.Tensor:
     weight = check_tensor("weight", weight, ndim=1, dtypes=_DTYPES, unit_last_stride=True)
     check_shape("weight", weight, (hidden,))
     return weight
@@ -278,12 +278,12 @@ def rms_norm(
     depend on its values, ``weight``, ``eps``, H and ``config`` (default
     ``rms_norm_config(H)``), never on T.
     """
-    x = _check_rows("x", x)
+    x = check_rows("x", x)
     t, h = x.shape
-    weight = _check_weight(weight, h)
-    eps = _check_eps(eps)
+    weight = check_weight(weight, h)
+    eps = check_eps(eps)
     if out is not None:
-        _check_out("out", out, x)
+        check_out("out", out, x)
     check_same_device(x=x, weight=weight, **({} if out is None else {"out": out}))
     cfg = check_rms_norm_config(rms_norm_config(h) if config is None else config, h)
     block, num_blocks = rms_norm_blocks(h)
@@ -314,18 +314,18 @@ def fused_add_rms_norm(
     ``x`` and ``residual_out`` may be ``residual`` (in-place update of the residual stream),
     but they must not be the same tensor. ``config`` as for :func:`rms_norm`.
     """
-    x = _check_rows("x", x)
+    x = check_rows("x", x)
     t, h = x.shape
     residual = check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,),
                             unit_last_stride=True)
     check_shape("residual", residual, (t, h))
-    weight = _check_weight(weight, h)
-    eps = _check_eps(eps)
+    weight = check_weight(weight, h)
+    eps = check_eps(eps)
     outs = {}
     if out is not None:
-        outs["out"] = _check_out("out", out, x)
+        outs["out"] = check_out("out", out, x)
     if residual_out is not None:
-        outs["residual_out"] = _check_out("residual_out", residual_out, x)
+        outs["residual_out"] = check_out("residual_out", residual_out, x)
     if out is not None and residual_out is not None and out.data_ptr() == residual_out.data_ptr():
         raise ValueError("out and residual_out must be different tensors")
     check_same_device(x=x, residual=residual, weight=weight, **outs)
