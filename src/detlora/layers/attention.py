@@ -10,7 +10,7 @@ from torch import nn
 
 from detlora.layers.backend import OpBackend
 from detlora.layers.linear import Linear, MergedLinear
-from detlora.layers.lora_slots import LoRAConfig, PendingLoRA
+from detlora.layers.lora_slots import LoRAConfig
 from detlora.layers.norm import RMSNorm
 from detlora.layers.rotary import RotaryEmbedding
 from detlora.ops.adapter_groups import AdapterGroups
@@ -84,17 +84,6 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
         lora: AdapterGroups | None = None,
     ) -> torch.Tensor:
-        return self.o_proj.expand(*self.forward_unexpanded(x, positions, attn, lora), lora)
-
-    def forward_unexpanded(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        lora: AdapterGroups | None = None,
-    ) -> tuple[torch.Tensor, PendingLoRA | None]:
-        """The o projection's base output and its pending LoRA term (the next norm expands
-        it, fused)."""
         if self.k_cache is None or self.v_cache is None:
             raise ValueError("no KV cache bound: call bind_kv_cache (or the model's) first")
         t = x.shape[0]
@@ -113,7 +102,7 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
             attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
         )
-        return self.o_proj.forward_unexpanded(o.reshape(t, self.q_size), lora)
+        return self.o_proj(o.reshape(t, self.q_size), lora)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -62,9 +62,6 @@ class OpBackend:
     # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
     # the unfused ops' bits; None: the two ops one after the other.
     lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
-    # (x, residual, weight, eps, shrink_out, lora_b, groups) -> fused_add_rms_norm(x + the
-    # LoRA update, ...) in one kernel; None: the two ops one after the other.
-    lora_expand_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def name(self) -> str:
@@ -77,18 +74,6 @@ class OpBackend:
         if self.lora_expand_silu_and_mul is not None:
             return self.lora_expand_silu_and_mul(y, shrink_out, lora_b, groups)
         return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None))
-
-    def expand_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        shrink_out: Any, lora_b: torch.Tensor, groups: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fused_add_rms_norm of a projection's output ``x`` plus its LoRA update (``x`` may
-        be overwritten)."""
-        if self.lora_expand_add_rms_norm is not None:
-            return self.lora_expand_add_rms_norm(x, residual, weight, eps, shrink_out, lora_b,
-                                                 groups)
-        x = self.lora_expand(x, shrink_out, lora_b, groups, None)
-        return self.fused_add_rms_norm(x, residual, weight, eps)
 
     def describe(self) -> dict[str, str]:
         """What decides the bits of this backend: level, LoRA reduction, one entry per op."""
@@ -251,7 +236,6 @@ def _kernel_backend(
     max_lora_rank: int | None,
     allow_reference_fallback: bool,
 ) -> OpBackend:
-    from detlora.ops import lora_expand_add_rms_norm as add_norm
     from detlora.ops.lora_expand import lora_expand
     from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
     from detlora.ops.lora_shrink import lora_shrink
@@ -283,20 +267,11 @@ def _kernel_backend(
     def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
         return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
 
-    def expand_add_rms_norm(x, residual, weight, eps, shrink_out, lora_b, groups):
-        if x.shape[1] > add_norm.MAX_HIDDEN:  # a function of H: one path per model
-            x = lora_expand(x, shrink_out, lora_b, groups)
-            return ops["fused_add_rms_norm"](x, residual, weight, eps)
-        return add_norm.lora_expand_add_rms_norm(x, residual, weight, eps, shrink_out, lora_b,
-                                                 groups)
-
     impls |= {"lora_shrink": _shrink_impl(reduction, impls,
                                           f"lora_shrink.lora_shrink[{reduction.value}]"),
               "lora_expand": "lora_expand.lora_expand",
-              "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul",
-              "lora_expand_add_rms_norm": "lora_expand_add_rms_norm.lora_expand_add_rms_norm"}
+              "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls),
-                     lora_expand_silu_and_mul=lora_expand_silu_and_mul,
-                     lora_expand_add_rms_norm=expand_add_rms_norm)
+                     lora_expand_silu_and_mul=lora_expand_silu_and_mul)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from detlora.layers.attention import Attention
-from detlora.layers.lora_slots import PendingLoRA
 from detlora.layers.mlp import GatedMLP
 from detlora.layers.norm import RMSNorm
 from detlora.ops.adapter_groups import AdapterGroups
@@ -39,18 +38,14 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         lora: AdapterGroups | None = None,
-        pending: PendingLoRA | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, PendingLoRA | None]:
-        """Returns (this block's MLP base output, the residual stream before it, the MLP's
-        pending LoRA term); the next norm adds them, so the residual is never added twice and
-        the down projection's LoRA expand runs inside that norm. ``pending``: the previous
-        block's term, for this block's first norm."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this block's MLP output, the residual stream before it); the next norm
+        adds them, so the residual is never added twice."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual, pending, lora)
-        h, o_pending = self.self_attn.forward_unexpanded(h, positions, attn, lora)
-        h, residual = self.post_attention_layernorm(h, residual, o_pending, lora)
-        out, mlp_pending = self.mlp.forward_unexpanded(h, lora)
-        return out, residual, mlp_pending
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, attn, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual

@@ -132,12 +132,7 @@ class LinearBase(nn.Module):
     # ---- compute ----
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
-        return self.expand(*self.forward_unexpanded(x, lora), lora)
-
-    def expand(
-        self, y: torch.Tensor, pending: PendingLoRA | None, lora: AdapterGroups | None
-    ) -> torch.Tensor:
-        """y plus the pending LoRA term (in place), as ``forward`` returns it."""
+        y, pending = self.forward_unexpanded(x, lora)
         if pending is None:
             return y
         return self.backend.lora_expand(y, pending.shrink_out, pending.lora_b, lora,
@@ -147,7 +142,7 @@ class LinearBase(nn.Module):
         self, x: torch.Tensor, lora: AdapterGroups | None = None
     ) -> tuple[torch.Tensor, PendingLoRA | None]:
         """(x W^T (+ b), the LoRA term still to expand into it, or None without LoRA): for a
-        consumer that fuses the expand into its own op (``GatedMLP``, ``RMSNorm``)."""
+        consumer that fuses the expand into its own op (``GatedMLP``)."""
         if self.lora is None or lora is None:
             return self.backend.linear(x, self.weight, self.bias), None
         if self.gemm_weight is not None:

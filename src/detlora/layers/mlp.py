@@ -8,7 +8,7 @@ from torch import nn
 
 from detlora.layers.backend import OpBackend
 from detlora.layers.linear import Linear, MergedLinear
-from detlora.layers.lora_slots import LoRAConfig, PendingLoRA
+from detlora.layers.lora_slots import LoRAConfig
 from detlora.ops.adapter_groups import AdapterGroups
 
 
@@ -31,17 +31,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, **common)
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
-        return self.down_proj.expand(*self.forward_unexpanded(x, lora), lora)
-
-    def forward_unexpanded(
-        self, x: torch.Tensor, lora: AdapterGroups | None = None
-    ) -> tuple[torch.Tensor, PendingLoRA | None]:
-        """The down projection's base output and its pending LoRA term (the next norm
-        expands it, fused)."""
         gate_up, pending = self.gate_up_proj.forward_unexpanded(x, lora)
         if pending is None:
             h = self.backend.silu_and_mul(gate_up)
         else:  # the gate|up expand fused into the activation: one launch, same bits
             h = self.backend.expand_silu_and_mul(gate_up, pending.shrink_out, pending.lora_b,
                                                  lora)
-        return self.down_proj.forward_unexpanded(h, lora)
+        return self.down_proj(h, lora)

@@ -1,5 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (and the LoRA expand of
-the projection that wrote its input)."""
+"""RMSNorm, optionally fused with the residual add that precedes it."""
 
 from __future__ import annotations
 
@@ -7,8 +6,6 @@ import torch
 from torch import nn
 
 from detlora.layers.backend import OpBackend
-from detlora.layers.lora_slots import PendingLoRA
-from detlora.ops.adapter_groups import AdapterGroups
 
 
 class RMSNorm(nn.Module):
@@ -39,21 +36,10 @@ class RMSNorm(nn.Module):
             self.weight.copy_(tensor)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        pending: PendingLoRA | None = None,
-        lora: AdapterGroups | None = None,
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``pending``: the LoRA term of the projection that wrote x, still to add (with the
-        residual: the expand is fused into the add + norm)."""
         if residual is None:
-            if pending is not None:
-                raise ValueError("a pending LoRA term needs the residual stream")
             return self.backend.rms_norm(x, self.weight, self.eps)
-        if pending is not None:
-            return self.backend.expand_add_rms_norm(x, residual, self.weight, self.eps,
-                                                    pending.shrink_out, pending.lora_b, lora)
         return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:

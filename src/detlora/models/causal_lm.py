@@ -105,11 +105,9 @@ class DecoderForCausalLM(nn.Module):
         groups = batch.lora.groups if batch.lora is not None else None
         x = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
-        pending = None  # the last down projection's LoRA term, expanded inside the next norm
         for layer in self.layers:
-            x, residual, pending = layer(x, residual, batch.positions, batch.attn, groups,
-                                         pending)
-        x, _ = self.norm(x, residual, pending, groups)
+            x, residual = layer(x, residual, batch.positions, batch.attn, groups)
+        x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,12 @@ BLOCK, rows per program and warps, so the same ``tl.sum`` tree): the same bits, 
 not other rows of the batch have adapters. An adapter row's update is summed over the rank
 in fp32 in a fixed order (chunks of ``rank_chunk(H, R)`` ranks, a function of H and R alone),
 not by the expand kernel's MMA, so its bits may differ from the unfused expand in the last
-place; they never depend on the batch. The engine runs this op for every LoRA o/down output,
-so a row is always computed one way.
+place; they never depend on the batch. An engine must run it for every LoRA o/down output
+(never the unfused pair for some batches), so that a row is always computed one way.
+
+Not used by the engine: on the H200 it was no faster at decode (engine TPOT at batch 64
+unchanged) and slower for prefill rows (140 against 76 us at M = 6400, H = 3072: each row
+gathers its adapter's whole B), benchmarks/results/fused_lora_ops.json. It stays a tested op.
 
 Kernel: one program per ``rms_norm_config(H).rows`` rows (a row of H <= 8192 is one
 register tile, as in ``fused_add_rms_norm``). Phase 1 gathers the rows' B [BLOCK, rank chunk]
