@@ -39,8 +39,9 @@ import json, sys; json.dump(tile_sweep(), open(sys.argv[1], 'w'), indent=1)" \
                       --layers llama_o,llama_qkv,llama_down,qwen_down,qwen_o \
                       --out "$OUT/matmul_sweep_small_m_persistent.json" || status=1 ;;
     split-kv-sweep) python3 -c "from detlora.study.bench_attention import split_kv_sweep; \
-import json, sys; json.dump(split_kv_sweep(), open(sys.argv[1], 'w'), indent=1)" \
-                      "$OUT/split_kv_sweep.json" || status=1 ;;
+from detlora.cli import results_meta; import json, sys; json.dump({'meta': results_meta( \
+'benchmarks/gpu.sh split-kv-sweep'), 'rows': split_kv_sweep()}, open(sys.argv[1], 'w'), \
+indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
     profile-levels) python3 -m detlora.study.profile_engine --modes run_to_run,batch_invariant \
                       --batches 1,64 --tokens 16 --out "$OUT/profile_levels.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
