@@ -71,6 +71,17 @@ def lora_expand_ref(
 
 
 @triton.jit
+def group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m,
+                    BLOCK_M: tl.constexpr):
+    """(row indices [BLOCK_M] int64, valid mask) of row tile ``tile_m`` of an adapter group;
+    rows past the group read row 0 (never stored)."""
+    row_start = tl.load(group_start_ptr + group)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < group_rows
+    return tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64), m_ok
+
+
+@triton.jit
 def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
                 stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
                 NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
@@ -158,10 +169,7 @@ def _expand_kernel(
     adapter = tl.load(group_adapter_ptr + group)
     if adapter < 0:
         return
-    row_start = tl.load(group_start_ptr + group)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < group_rows
-    rows = tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
@@ -260,9 +268,7 @@ def lora_expand(
     """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
     e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
     m, widths = y.shape[0], e.widths
-    cfg = config or expand_config(m, e.rank, max(widths))
-    if not isinstance(cfg, ExpandConfig):
-        raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    cfg = tile_config(config, m, e.rank, max(widths))
     padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
     g = e.groups
     grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), g.num_groups)
@@ -278,6 +284,14 @@ def lora_expand(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def tile_config(config: ExpandConfig | None, m: int, rank: int, width: int) -> ExpandConfig:
+    """``config``, checked, or the default tiles for M rows of ``width`` columns."""
+    cfg = config or expand_config(m, rank, width)
+    if not isinstance(cfg, ExpandConfig):
+        raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    return cfg
 
 
 def _check_partials(sp: ShrinkPartials) -> ShrinkPartials:
@@ -318,4 +332,5 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
     return offsets
 
 
-__all__ = ["ExpandArgs", "expand_args", "lora_expand", "lora_expand_ref", "lora_update"]
+__all__ = ["ExpandArgs", "expand_args", "group_tile_rows", "lora_expand", "lora_expand_ref",
+           "lora_update", "tile_config"]

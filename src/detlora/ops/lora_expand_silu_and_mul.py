@@ -28,8 +28,14 @@ import triton.language as tl
 from detlora.ops._runtime import cdiv
 from detlora.ops.adapter_groups import AdapterGroups
 from detlora.ops.checks import check_shape, check_tensor
-from detlora.ops.lora_configs import ExpandConfig, expand_config
-from detlora.ops.lora_expand import expand_args, lora_expand_ref, lora_update
+from detlora.ops.lora_configs import ExpandConfig
+from detlora.ops.lora_expand import (
+    expand_args,
+    group_tile_rows,
+    lora_expand_ref,
+    lora_update,
+    tile_config,
+)
 from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.silu_and_mul import silu_and_mul_ref
 
@@ -86,10 +92,7 @@ def _expand_silu_and_mul_kernel(
     if tile_m * BLOCK_M >= group_rows:
         return
     adapter = tl.load(group_adapter_ptr + group)
-    row_start = tl.load(group_start_ptr + group)
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < group_rows
-    rows = tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64)
+    rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     cols = offs_n % inter  # padding columns wrap onto real ones: loads need no mask
@@ -141,9 +144,7 @@ def lora_expand_silu_and_mul(
         check_shape("out", out, (m, inter))
     if m == 0:
         return out
-    cfg = config or expand_config(m, e.rank, inter)
-    if not isinstance(cfg, ExpandConfig):
-        raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    cfg = tile_config(config, m, e.rank, inter)
     g = e.groups
     grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), g.num_groups)
     _expand_silu_and_mul_kernel[grid](
