@@ -134,13 +134,6 @@ class LoRASlots(nn.Module):
         self.lora_b[slot].zero_()
         self.lora_scale[slot] = 0.0
 
-    def apply(
-        self, x: torch.Tensor, y: torch.Tensor, groups: AdapterGroups, backend: OpBackend
-    ) -> torch.Tensor:
-        """y += scale * (x A^T) B^T for every row whose slot is not -1 (in place)."""
-        h = backend.lora_shrink(x, self.lora_a, groups, self.lora_scale)
-        return backend.lora_expand(y, h, self.lora_b, groups, self.slice_offsets)
-
     def split_in_gemm(self, y_cat: torch.Tensor, n: int) -> tuple[torch.Tensor, ShrinkPartials]:
         """``in_gemm``: y_cat = x [W; A]^T holds x W^T in its first ``n`` columns and x A^T of
         every slot after them. Returns (x W^T, a view with y_cat's row stride; the shrink
