@@ -14,7 +14,11 @@ For each determinism level and batch size, on the model of ``bench_engine``:
   shrink, or the GEMM beside it): read the per-stream busy times, and the gaps as upper bounds;
 * ``prefill_forward_us``, ``prefill_kernels``: the first step (every prompt's prefill, eager)
   timed alone and its kernel table;
-* ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix.
+* ``sampler_us``: the sampler alone on logits of that batch, with the benchmark's request mix;
+  ``sampler_host_top``: its host time by function (cProfile);
+* ``overlap`` (first, before any phase clock): one plain ``generate`` under the CUDA profiler:
+  wall time against the union of kernel intervals (``gpu_busy_fraction`` well below 1 means the
+  host, not the GPU, sets the pace), and the host's time by function in a second plain run.
 
     python -m detlora.study.profile_engine --out out/profile_engine.json [--layers 28]
 """
@@ -162,6 +166,42 @@ def _host_profile(fn: Callable[[], Any], top: int = 30) -> list[str]:
     return [line for line in buf.getvalue().splitlines() if line.strip()][-top:]
 
 
+def _busy_us(events: list[dict[str, Any]]) -> float:
+    """Length of the union of the kernel intervals (us), over every stream."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _overlap(llm: Any, w: Any, b: int) -> dict[str, Any]:
+    """How much of a plain ``generate`` at batch ``b`` keeps the GPU busy, and the host's
+    time by function (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    idx = list(range(b))
+    w.generate(llm, idx)  # warm-up (graphs, caches)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        w.generate(llm, idx)
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and "dur" in e]
+    busy = _busy_us(kernels)
+    return {"batch": b, "wall_ms": round(wall_us / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
+            "gpu_busy_fraction": round(busy / wall_us, 3),
+            "host_top": _host_profile(lambda: w.generate(llm, idx), top=40)}
+
+
 def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                   log: Callable[[str], None]) -> list[dict[str, Any]]:
     import detlora.engine.llm_engine as le
@@ -254,6 +294,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
                     lambda: sampler(last_sample["logits"], last_sample["reqs"],
                                     greedy=last_sample["greedy"]), reps=10), 1)
             row["sampler_kernels"] = _kernel_table(sample, steps=3, top=15)
+            row["sampler_host_top"] = _host_profile(sample, top=25)
             rows.append(row)
             log(f"{mode} batch {b}: total {row['total_ms']:.1f} ms over {row['steps']} steps "
                 f"{phases}; replay {row.get('replay_us')} us, eager "
@@ -289,7 +330,7 @@ def _fake_seqs(w: Any, b: int) -> list[Any]:
 def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
         batches: tuple[int, ...] = (1, 64), lora: bool = True,
-        lora_reduction: str | None = None) -> dict[str, Any]:
+        lora_reduction: str | None = None, overlap: bool = False) -> dict[str, Any]:
     from detlora.lora.request import LoRARequest
 
     plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
@@ -308,6 +349,14 @@ def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
                              lora_reduction=lora_reduction)
             label = mode if lora else f"{mode}-nolora"
             label += f"-{lora_reduction}" if lora_reduction else ""
+            if overlap:
+                for b in batches:
+                    ov = {"mode": label, **_overlap(llm, w, b)}
+                    out.setdefault("overlap", []).append(ov)
+                    log(f"{label} batch {b}: wall {ov['wall_ms']} ms, GPU busy "
+                        f"{ov['gpu_busy_ms']} ms ({ov['gpu_busy_fraction']})")
+                    for line in ov["host_top"][:25]:
+                        log(f"  o {line}")
             out["rows"] += _profile_mode(llm, label, w, batches, log)
             del llm
             be._free_gpu()
@@ -325,10 +374,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="override every level's LoRA reduction (e.g. in_gemm)")
     parser.add_argument("--no-lora", action="store_true",
                         help="the base model alone (no LoRA slots, no adapters)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time a plain generate against its GPU busy time")
     args = parser.parse_args(argv)
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
                batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
-               lora_reduction=args.lora_reduction)
+               lora_reduction=args.lora_reduction, overlap=args.overlap)
     from detlora.cli import results_meta
 
     command = " ".join(["python -m detlora.study.profile_engine", *(argv or sys.argv[1:])])
