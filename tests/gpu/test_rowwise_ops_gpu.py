@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from detlora.ops.embedding import embedding
+from detlora.ops.paged_attention import write_kv
 from detlora.ops.reductions import argmax, argmax_ref, mean
 from detlora.ops.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm
 from detlora.ops.rotary import rope_cos_sin_cache, rotary
+from detlora.ops.rotary_write_kv import rotary_write_kv
 from detlora.ops.silu_and_mul import silu_and_mul
 from detlora.ops.softmax import log_softmax, softmax
 
@@ -82,6 +84,34 @@ def test_rotary_matches_fp64(m, hq, hk, d, dtype):
         x1, x2 = x.double().chunk(2, dim=-1)
         c, s = cos[:, None], sin[:, None]
         assert _rel(got, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,hq,hk,d", [(1, 24, 8, 128), (64, 24, 8, 128), (4096, 16, 8, 128),
+                                       (7, 5, 3, 64)])
+def test_rotary_write_kv_has_the_unfused_bits(m, hq, hk, d, dtype):
+    """The fused op against rotary then write_kv, on strided views of one qkv output, with
+    padding slots and a slot past the cache (both skipped)."""
+    g = _gen(m + hq)
+    cos_sin = rope_cos_sin_cache(d, 131072, 500000.0, LLAMA3).to(DEV)
+    qkv = _randn(g, m, (hq + 2 * hk) * d, dtype=dtype)
+    q = qkv[:, : hq * d].view(m, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(m, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(m, hk, d)
+    pos = torch.randint(0, 131072, (m,), device=DEV, generator=g)
+    pages, page = m // 8 + 4, 16
+    slots = torch.randperm(pages * page, device=DEV, generator=g)[:m]
+    slots[::5] = -1
+    if m > 2:
+        slots[1] = pages * page + 3
+    cache = _randn(g, 2, pages, page, hk, d, dtype=dtype)
+    kc, vc = cache[0].clone(), cache[1].clone()
+    want_q, k_rot = rotary(q, k, pos, cos_sin)
+    write_kv(k_rot, v, kc, vc, slots)
+    got_kc, got_vc = cache[0].clone(), cache[1].clone()
+    got_q = rotary_write_kv(q, k, v, pos, cos_sin, got_kc, got_vc, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_kc, kc) and torch.equal(got_vc, vc)
 
 
 def test_embedding_is_an_exact_gather():

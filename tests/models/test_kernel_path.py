@@ -71,3 +71,26 @@ def test_batch_invariant_kernels(qwen3, reduction):
     assert torch.equal(alone, mixed[-1])
     for ids, path, logits in zip([*others, target], [a2, None, a1, a1], mixed, strict=True):
         assert rel_err(logits, ref.logits(ids, path)) < TOL
+
+
+def test_fused_rotary_write_kv_keeps_the_bits(qwen3):
+    """The backend's fused rotary + KV write gives the logits (and pages) of rotary then
+    write_kv: a model on the same backend without the fused op is compared bit for bit."""
+    import dataclasses
+
+    base, a1, _, _ = qwen3
+    backend = make_backend("cpu", "batch_invariant", dtype=torch.float16, kernels=True,
+                           max_lora_rank=8)
+    assert backend.rotary_write_kv is not None
+    outs = []
+    for b in (backend, dataclasses.replace(backend, rotary_write_kv=None)):
+        model = load_model(base, dtype=torch.float16, backend=b,
+                           lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
+        model.allocate_kv_cache(num_blocks=32, block_size=4)
+        manager = LoRAManager(model)
+        slots = manager.activate([LoRARequest("a1", 1, a1), None])
+        prompts = {0: [3, 1, 4, 1, 5, 9, 2], 1: [2, 7, 1, 8]}
+        batch = PagedKV(32, 4, seed=6).step(prompts, dict(enumerate(slots)), 2)
+        with torch.no_grad():
+            outs.append(model(batch))
+    assert torch.equal(outs[0], outs[1])

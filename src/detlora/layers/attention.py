@@ -96,8 +96,9 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
                                                                self.head_dim)
-        q, k = self.rotary(q, k, positions)  # reads strided rows, writes contiguous q and k
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        # Reads strided rows; q comes back contiguous, k and v go into the pages.
+        q = self.rotary.rotate_and_write_kv(q, k, v, positions, self.k_cache, self.v_cache,
+                                            attn.slot_mapping)
         o = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
             attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,

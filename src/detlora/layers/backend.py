@@ -59,6 +59,10 @@ class OpBackend:
     determinism: Determinism
     lora_reduction: LoRAReduction
     impls: Mapping[str, str] = field(default_factory=dict)  # op -> implementation, for fingerprints
+    # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> rotated q, with k
+    # rotated and v written into the pages: rotary + write_kv in one kernel, their bits;
+    # None: the two ops one after the other.
+    rotary_write_kv: Callable[..., torch.Tensor] | None = None
     # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
     # the unfused ops' bits; None: the two ops one after the other.
     lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
@@ -74,6 +78,19 @@ class OpBackend:
         if self.lora_expand_silu_and_mul is not None:
             return self.lora_expand_silu_and_mul(y, shrink_out, lora_b, groups)
         return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None))
+
+    def rotate_and_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary of q and k, then k and v into their page slots; the rotated q."""
+        if self.rotary_write_kv is not None:
+            return self.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
+                                        slot_mapping)
+        q, k = self.rotary(q, k, positions, cos_sin)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     def describe(self) -> dict[str, str]:
         """What decides the bits of this backend: level, LoRA reduction, one entry per op."""
@@ -240,6 +257,7 @@ def _kernel_backend(
     from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
     from detlora.ops.lora_shrink import lora_shrink
     from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace
+    from detlora.ops.rotary_write_kv import rotary_write_kv
 
     ops: dict[str, Callable[..., Any]] = {}
     impls: dict[str, str] = {}
@@ -270,8 +288,11 @@ def _kernel_backend(
     impls |= {"lora_shrink": _shrink_impl(reduction, impls,
                                           f"lora_shrink.lora_shrink[{reduction.value}]"),
               "lora_expand": "lora_expand.lora_expand",
-              "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul"}
+              "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul",
+              "rotary_write_kv": "rotary_write_kv.rotary_write_kv"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls),
-                     lora_expand_silu_and_mul=lora_expand_silu_and_mul)
+                     lora_expand_silu_and_mul=lora_expand_silu_and_mul,
+                     # The engine checks positions once per step; a sync breaks graph capture.
+                     rotary_write_kv=functools.partial(rotary_write_kv, validate=False))

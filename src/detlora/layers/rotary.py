@@ -39,5 +39,14 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.backend.rotary(q, k, positions, self.cos_sin)
 
+    def rotate_and_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotates q and k, writes the rotated k and v into their page slots; the rotated q
+        (the backend fuses the two where it has the kernel: the same bits)."""
+        return self.backend.rotate_and_write_kv(q, k, v, positions, self.cos_sin, k_cache,
+                                                v_cache, slot_mapping)
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}"

@@ -670,18 +670,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each token's K/V row into its page slot (see the module docstring).
-
-    ``slot_mapping`` entries < 0 are padding and skipped; entries past the cache are skipped too
-    (checked on the host only for CPU tensors).
-    """
+def check_write_kv_args(
+    k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object
+) -> tuple[torch.Tensor, ...]:
+    """Validated (k, v, k_cache, v_cache, slot_mapping) of a KV write (ValueError naming the
+    problem). Slots past the cache are checked on the host only for CPU tensors."""
     k = check_tensor("k", k, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
     v = check_tensor("v", v, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
     k_cache = check_tensor("k_cache", k_cache, ndim=4, dtypes=_DTYPES, unit_last_stride=True)
@@ -698,7 +691,26 @@ def write_kv(
     if slot_mapping.device.type == "cpu" and slot_mapping.numel() \
             and int(slot_mapping.max()) >= num_slots:
         raise ValueError(f"slot_mapping holds slot {int(slot_mapping.max())} but the cache "
-                             f"has {num_slots} slots")
+                         f"has {num_slots} slots")
+    return k, v, k_cache, v_cache, slot_mapping
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V row into its page slot (see the module docstring).
+
+    ``slot_mapping`` entries < 0 are padding and skipped; entries past the cache are skipped too
+    (checked on the host only for CPU tensors).
+    """
+    k, v, k_cache, v_cache, slot_mapping = check_write_kv_args(k, v, k_cache, v_cache,
+                                                               slot_mapping)
+    num_blocks, page, hk, d = k_cache.shape
+    num_slots = num_blocks * page
     if k.shape[0] == 0:
         return
     _write_kv_kernel[(k.shape[0],)](
@@ -802,6 +814,7 @@ __all__ = [
     "BLOCK_N",
     "COUNTERS",
     "KV_SEGMENT",
+    "check_write_kv_args",
     "numerics_config",
     "paged_attention",
     "paged_attention_ref",

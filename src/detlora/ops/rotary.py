@@ -86,8 +86,11 @@ def rotary_ref(
 
 
 @triton.jit
-def _rotate_heads(src, dst, stride_src_h, stride_dst_h, head0, n_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def rotated_halves(src, stride_src_h, head0, n_heads, cos, sin, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Heads head0.. of one token rotated, fp32: (first halves, second halves, the [BLOCK_H,
+    BLOCK_HALF] mask, head ids, column ids). The one place the rotation's arithmetic lives,
+    so every kernel that rotates gives the same bits."""
     h = head0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     ok = (h < n_heads)[:, None] & (d < HALF)[None, :]
@@ -96,9 +99,29 @@ def _rotate_heads(src, dst, stride_src_h, stride_dst_h, head0, n_heads, cos, sin
     x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
+    return x1 * c - x2 * s, x2 * c + x1 * s, ok, h, d
+
+
+@triton.jit
+def token_cos_sin(positions_ptr, cos_sin_ptr, t, stride_cs, HALF: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin rows (fp32, BLOCK_HALF wide, zero past HALF)."""
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    cs = cos_sin_ptr + pos * stride_cs + d
+    cos = tl.load(cs, mask=d < HALF, other=0.0)
+    sin = tl.load(cs + HALF, mask=d < HALF, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def rotate_heads(src, dst, stride_src_h, stride_dst_h, head0, n_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    y1, y2, ok, h, d = rotated_halves(src, stride_src_h, head0, n_heads, cos, sin, HALF,
+                                      BLOCK_H, BLOCK_HALF)
     q = dst + h[:, None] * stride_dst_h + d[None, :]
-    tl.store(q, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=ok)
-    tl.store(q + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=ok)
+    tl.store(q, y1.to(dst.dtype.element_ty), mask=ok)
+    tl.store(q + HALF, y2.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -127,16 +150,12 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    cs = cos_sin_ptr + pos * stride_cs + d
-    cos = tl.load(cs, mask=d < HALF, other=0.0)
-    sin = tl.load(cs + HALF, mask=d < HALF, other=0.0)
+    cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, t, stride_cs, HALF, BLOCK_HALF)
     if hb < q_blocks:
-        _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
+        rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
                       hb * BLOCK_H, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
     else:
-        _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
+        rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
                       (hb - q_blocks) * BLOCK_H, num_k_heads, cos, sin, HALF, BLOCK_H,
                       BLOCK_HALF)
 
@@ -160,21 +179,10 @@ def check_positions(positions: torch.Tensor, num_positions: int) -> None:
         )
 
 
-def rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    validate: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding of ``q`` [T, Hq, D] and ``k`` [T, Hk, D]: (q_out, k_out).
-
-    ``out`` = (q_out, k_out) may be given, and may be (q, k) for an in-place update.
-    ``validate`` checks that positions index rows of ``cos_sin`` (one host sync); hot loops
-    that validated the step's positions once pass ``validate=False``.
-    """
+def check_rotary_args(
+    q: object, k: object, positions: object, cos_sin: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validated (q, k, positions, cos_sin) of a rotary call (ValueError naming the problem)."""
     q = check_tensor("q", q, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
     k = check_tensor("k", k, ndim=3, dtypes=(q.dtype,), unit_last_stride=True)
     positions = check_tensor("positions", positions, ndim=1, dtypes=_INDEX_DTYPES,
@@ -193,6 +201,26 @@ def rotary(
         raise ValueError(
             f"cos_sin must have shape (max_positions, {d}), got {tuple(cos_sin.shape)}"
         )
+    return q, k, positions, cos_sin
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of ``q`` [T, Hq, D] and ``k`` [T, Hk, D]: (q_out, k_out).
+
+    ``out`` = (q_out, k_out) may be given, and may be (q, k) for an in-place update.
+    ``validate`` checks that positions index rows of ``cos_sin`` (one host sync); hot loops
+    that validated the step's positions once pass ``validate=False``.
+    """
+    q, k, positions, cos_sin = check_rotary_args(q, k, positions, cos_sin)
+    t, hq, d = q.shape
     hk = k.shape[1]
     if out is None:
         q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
@@ -219,4 +247,5 @@ def rotary(
     return q_out, k_out
 
 
-__all__ = ["rope_cos_sin_cache", "rope_inv_freq", "rotary", "rotary_config", "rotary_ref"]
+__all__ = ["check_rotary_args", "rope_cos_sin_cache", "rope_inv_freq", "rotary",
+           "rotary_config", "rotary_ref"]
