@@ -1,6 +1,8 @@
 """LoRA shrink/expand on the GPU: bf16 correctness, bitwise repeatability, batch invariance,
 CUDA-graph safety of the ordered reduction's self-resetting counters."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -200,6 +202,56 @@ def test_expand_fused_into_silu_and_mul_has_the_unfused_bits(m, in_gemm):
                             adapter_stride=2 * r)
         alone = lora_expand_silu_and_mul(y[:1], h0, b, group_tokens(ids[:1], slots))
         assert torch.equal(alone[0], got[0])
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 257, 4096])
+@pytest.mark.parametrize("in_gemm", [False, True])
+@pytest.mark.parametrize("rank", [16, 64])
+def test_expand_fused_into_rotary_write_kv_has_the_unfused_bits(m, in_gemm, rank):
+    """Attention's fused q|k|v expand + rotary + KV write equals the expand kernel then
+    rotary_write_kv (q, k pages, v pages), bit for bit (Llama-3.2-3B widths, bf16, padding
+    slots), and a row's bits do not depend on M."""
+    from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
+    from detlora.ops.lora_partials import ShrinkPartials
+    from detlora.ops.rotary import rope_cos_sin_cache
+    from detlora.ops.rotary_write_kv import rotary_write_kv
+
+    hq, hk, d, slots = 24, 8, 128, 4
+    offsets = [0, hq * d, (hq + hk) * d, (hq + 2 * hk) * d]
+    n = offsets[-1]
+    x, a, ids, scale = _inputs(m, 3072, rank, 3, slots, seed=m + rank)
+    g = torch.Generator(device=DEV).manual_seed(m + 1)
+    b = (torch.randn(slots, n, rank, device=DEV, generator=g) / 4).to(torch.bfloat16)
+    y_cat = torch.randn(m, n + slots * 3 * rank, device=DEV, generator=g).to(torch.bfloat16)
+    y = y_cat[:, :n]
+    if in_gemm:
+        h = ShrinkPartials(y_cat[:, n:].unsqueeze(0), 3, rank, tail_group=1, scale=scale,
+                           adapter_stride=3 * rank)
+    else:
+        h = lora_shrink(x, a, ids, scale, reduction="ordered")
+    groups = group_tokens(ids, slots)
+    cos_sin = rope_cos_sin_cache(d, 8192, 500000.0).to(DEV)
+    pos = torch.randint(0, 8192, (m,), device=DEV, generator=g)
+    pages = m // 16 + 4
+    slot_mapping = torch.randperm(pages * 16, device=DEV, generator=g)[:m]
+    slot_mapping[1::5] = -1
+    cache = torch.randn(2, pages, 16, hk, d, device=DEV, generator=g).to(torch.bfloat16)
+    y2 = lora_expand(y.clone(), h, b, groups, offsets)
+    q, k, v = (y2[:, lo:hi].view(m, -1, d) for lo, hi in itertools.pairwise(offsets))
+    want_kc, want_vc = cache[0].clone(), cache[1].clone()
+    want_q = rotary_write_kv(q, k, v, pos, cos_sin, want_kc, want_vc, slot_mapping)
+    kc, vc = cache[0].clone(), cache[1].clone()
+    got_q = lora_expand_rotary_write_kv(y, h, b, groups, offsets, pos, cos_sin, kc, vc,
+                                        slot_mapping)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    if in_gemm:  # row 0 alone (its own columns of y_cat) against row 0 inside M rows
+        h0 = ShrinkPartials(y_cat[:1, n:].unsqueeze(0), 3, rank, tail_group=1, scale=scale,
+                            adapter_stride=3 * rank)
+        alone = lora_expand_rotary_write_kv(y[:1], h0, b, group_tokens(ids[:1], slots),
+                                            offsets, pos[:1], cos_sin, cache[0].clone(),
+                                            cache[1].clone(), slot_mapping[:1])
+        assert torch.equal(alone[0], got_q[0])
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 257, 4096])

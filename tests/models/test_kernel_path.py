@@ -73,17 +73,23 @@ def test_batch_invariant_kernels(qwen3, reduction):
         assert rel_err(logits, ref.logits(ids, path)) < TOL
 
 
-def test_fused_rotary_write_kv_keeps_the_bits(qwen3):
-    """The backend's fused rotary + KV write gives the logits (and pages) of rotary then
-    write_kv: a model on the same backend without the fused op is compared bit for bit."""
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_attention_inputs_keep_the_bits(tmp_path, arch):
+    """The backend's fused rotary + KV write (and, without q/k norms, the q|k|v LoRA expand
+    fused into it) gives the logits of the unfused ops: a model on the same backend without
+    the fused ops is compared bit for bit, with and without an adapter in the batch."""
     import dataclasses
 
-    base, a1, _, _ = qwen3
+    base = make_checkpoint(tmp_path / "base", arch)
+    a1 = make_adapter(base, tmp_path / "a1", seed=1)
     backend = make_backend("cpu", "batch_invariant", dtype=torch.float16, kernels=True,
                            max_lora_rank=8)
     assert backend.rotary_write_kv is not None
+    assert backend.lora_expand_rotary_write_kv is not None
+    unfused = dataclasses.replace(backend, rotary_write_kv=None,
+                                  lora_expand_rotary_write_kv=None)
     outs = []
-    for b in (backend, dataclasses.replace(backend, rotary_write_kv=None)):
+    for b in (backend, unfused):
         model = load_model(base, dtype=torch.float16, backend=b,
                            lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
         model.allocate_kv_cache(num_blocks=32, block_size=4)

@@ -87,7 +87,16 @@ class Attention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise ValueError("no KV cache bound: call bind_kv_cache (or the model's) first")
         t = x.shape[0]
-        qkv = self.qkv_proj(x, lora)
+        qkv, pending = self.qkv_proj.forward_unexpanded(x, lora)
+        if pending is not None and self.q_norm is None:
+            # The q|k|v expand fused into rotary and the KV write: one launch, the same bits.
+            q = self.backend.expand_rotate_and_write_kv(
+                qkv, pending.shrink_out, pending.lora_b, lora, pending.slice_offsets, positions,
+                self.rotary.cos_sin, self.k_cache, self.v_cache, attn.slot_mapping)
+            return self._attend(q, attn, lora)
+        if pending is not None:  # q/k norms sit between the expand and rotary
+            qkv = self.backend.lora_expand(qkv, pending.shrink_out, pending.lora_b, lora,
+                                           pending.slice_offsets)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -99,11 +108,16 @@ class Attention(nn.Module):
         # Reads strided rows; q comes back contiguous, k and v go into the pages.
         q = self.rotary.rotate_and_write_kv(q, k, v, positions, self.k_cache, self.v_cache,
                                             attn.slot_mapping)
+        return self._attend(q, attn, lora)
+
+    def _attend(self, q: torch.Tensor, attn: AttentionMetadata,
+                lora: AdapterGroups | None) -> torch.Tensor:
+        """Paged attention of the rotated q over the pages, then the output projection."""
         o = self.backend.paged_attention(
             q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
             attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
         )
-        return self.o_proj(o.reshape(t, self.q_size), lora)
+        return self.o_proj(o.reshape(q.shape[0], self.q_size), lora)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -63,6 +64,10 @@ class OpBackend:
     # rotated and v written into the pages: rotary + write_kv in one kernel, their bits;
     # None: the two ops one after the other.
     rotary_write_kv: Callable[..., torch.Tensor] | None = None
+    # (y, shrink_out, lora_b, groups, slice_offsets, positions, cos_sin, k_cache, v_cache,
+    # slot_mapping) -> rotated q: the q|k|v LoRA expand fused into rotary_write_kv, the
+    # unfused bits; None: the expand, then rotate_and_write_kv.
+    lora_expand_rotary_write_kv: Callable[..., torch.Tensor] | None = None
     # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
     # the unfused ops' bits; None: the two ops one after the other.
     lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
@@ -91,6 +96,24 @@ class OpBackend:
         q, k = self.rotary(q, k, positions, cos_sin)
         self.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
+
+    def expand_rotate_and_write_kv(
+        self, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor, groups: Any,
+        slice_offsets: Sequence[int], positions: torch.Tensor, cos_sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """``rotate_and_write_kv`` of a q|k|v output ``y`` plus its LoRA update (three
+        slices); the rotated q. ``y`` may be overwritten."""
+        if self.lora_expand_rotary_write_kv is not None:
+            return self.lora_expand_rotary_write_kv(y, shrink_out, lora_b, groups,
+                                                    slice_offsets, positions, cos_sin,
+                                                    k_cache, v_cache, slot_mapping)
+        y = self.lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
+        m, d = y.shape[0], k_cache.shape[3]
+        q, k, v = (y[:, lo:hi].view(m, (hi - lo) // d, d)
+                   for lo, hi in itertools.pairwise(slice_offsets))
+        return self.rotate_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache,
+                                        slot_mapping)
 
     def describe(self) -> dict[str, str]:
         """What decides the bits of this backend: level, LoRA reduction, one entry per op."""
@@ -254,6 +277,7 @@ def _kernel_backend(
     allow_reference_fallback: bool,
 ) -> OpBackend:
     from detlora.ops.lora_expand import lora_expand
+    from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
     from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
     from detlora.ops.lora_shrink import lora_shrink
     from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace
@@ -289,10 +313,14 @@ def _kernel_backend(
                                           f"lora_shrink.lora_shrink[{reduction.value}]"),
               "lora_expand": "lora_expand.lora_expand",
               "lora_expand_silu_and_mul": "lora_expand_silu_and_mul.lora_expand_silu_and_mul",
-              "rotary_write_kv": "rotary_write_kv.rotary_write_kv"}
+              "rotary_write_kv": "rotary_write_kv.rotary_write_kv",
+              "lora_expand_rotary_write_kv":
+                  "lora_expand_rotary_write_kv.lora_expand_rotary_write_kv"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls),
                      lora_expand_silu_and_mul=lora_expand_silu_and_mul,
                      # The engine checks positions once per step; a sync breaks graph capture.
-                     rotary_write_kv=functools.partial(rotary_write_kv, validate=False))
+                     rotary_write_kv=functools.partial(rotary_write_kv, validate=False),
+                     lora_expand_rotary_write_kv=functools.partial(
+                         lora_expand_rotary_write_kv, validate=False))

@@ -86,20 +86,25 @@ def rotary_ref(
 
 
 @triton.jit
+def rotate(x1, x2, c, s):
+    """The neox rotation of fp32 halves (x1, x2) by (cos, sin): the one place its arithmetic
+    lives, so every kernel that rotates gives the same bits."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def rotated_halves(src, stride_src_h, head0, n_heads, cos, sin, HALF: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Heads head0.. of one token rotated, fp32: (first halves, second halves, the [BLOCK_H,
-    BLOCK_HALF] mask, head ids, column ids). The one place the rotation's arithmetic lives,
-    so every kernel that rotates gives the same bits."""
+    BLOCK_HALF] mask, head ids, column ids)."""
     h = head0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     ok = (h < n_heads)[:, None] & (d < HALF)[None, :]
     p = src + h[:, None] * stride_src_h + d[None, :]
     x1 = tl.load(p, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=ok, other=0.0).to(tl.float32)
-    c = cos[None, :]
-    s = sin[None, :]
-    return x1 * c - x2 * s, x2 * c + x1 * s, ok, h, d
+    y1, y2 = rotate(x1, x2, cos[None, :], sin[None, :])
+    return y1, y2, ok, h, d
 
 
 @triton.jit
