@@ -18,11 +18,11 @@ Semantics:
     deterministic and batch-invariant as they are. What it saves is a launch per layer and
     the round trip of the updated q|k|v through memory.
 
-Kernel: programs over (row tiles of an adapter group x heads: Hq of q, then Hk of k, each k
-program also doing its head of v, adapter groups). A program loads its head's two halves for
-its rows, adds the slice's update when the group has an adapter, rotates with each row's
-cos/sin and stores q, or writes k and v into each row's page slot (padding slots < 0 and
-slots past the cache are skipped, as ``write_kv`` skips them).
+Kernel: programs over (row tiles of an adapter group x heads: Hq of q, Hk of k, Hk of v,
+adapter groups). A program loads its head for its rows as one tile, adds the slice's update
+when the group has an adapter (one ``lora_update`` over the whole head), rotates q and k with
+each row's cos/sin, and stores q, or writes k or v into each row's page slot (padding slots
+< 0 and slots past the cache are skipped, as ``write_kv`` skips them).
 """
 
 from __future__ import annotations
@@ -76,29 +76,29 @@ def _qkv_views(y: torch.Tensor, offsets: Sequence[int], head_dim: int
 
 
 @triton.jit
-def _updated_halves(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, base, d, ok, R,
-                    stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl,
-                    stride_bn, HALF: tl.constexpr, NUM_PARTS: tl.constexpr,
-                    TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
-    """The two halves of one head (columns base.. of y) for ``rows``, with the slice's LoRA
-    update added as the expand kernel adds it; in y's dtype."""
-    cols = base + d % HALF  # padding columns wrap onto real ones: B loads need no mask
-    p = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64)
-    y1 = tl.load(p, mask=ok, other=0.0)
-    y2 = tl.load(p + HALF, mask=ok, other=0.0)
+def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok, base, R,
+                  stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                  HALF: tl.constexpr, NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr,
+                  PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
+    """The two halves [BLOCK_M, BLOCK_HALF] of one head (columns base.. of y) for ``rows``,
+    with the slice's LoRA update added as the expand kernel adds it; in y's dtype. One tile
+    of the whole head, columns in (half, d) order, then split: one update per head."""
+    c = tl.arange(0, 2 * BLOCK_HALF)
+    d = c % BLOCK_HALF
+    # Padding columns (d >= HALF) wrap onto real ones: B loads need no mask.
+    cols = base + (c // BLOCK_HALF) * HALF + d % HALF
+    ok = m_ok[:, None] & (d < HALF)[None, :]
+    y = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64), mask=ok,
+                other=0.0)
     if adapter >= 0:
-        u1 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
-                         stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
-                         TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
-        u2 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols + HALF, R,
-                         stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+        u = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
+                        stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
+                        TAIL_GROUP, PARTIALS, BLOCK_M, 2 * BLOCK_HALF, BLOCK_R, EVEN_R)
         # The expand's arithmetic: update rounded to y's dtype, added in fp32, rounded.
         ty = y_ptr.dtype.element_ty
-        y1 = (y1.to(tl.float32) + u1.to(ty).to(tl.float32)).to(ty)
-        y2 = (y2.to(tl.float32) + u2.to(ty).to(tl.float32)).to(ty)
-    return y1, y2
+        y = (y.to(tl.float32) + u.to(ty).to(tl.float32)).to(ty)
+    return tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_HALF)), (0, 2, 1)))
 
 
 @triton.jit
@@ -114,10 +114,11 @@ def _expand_rotary_write_kv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
 ):
-    # Grid: (m tiles x (Hq + Hk) heads, groups).
+    # Grid: (m tiles x (Hq + 2 Hk) heads: q, then k, then v, groups). y's columns hold the
+    # heads in that order, so head j starts at column j * HEAD_DIM.
     pid = tl.program_id(0)
     group = tl.program_id(1)
-    n_heads = num_q_heads + num_kv_heads
+    n_heads = num_q_heads + 2 * num_kv_heads
     head = pid % n_heads
     tile_m = pid // n_heads
     group_rows = tl.load(group_size_ptr + group)
@@ -127,44 +128,37 @@ def _expand_rotary_write_kv_kernel(
     rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
     d = tl.arange(0, BLOCK_HALF)
     ok = m_ok[:, None] & (d < HALF)[None, :]
-    pos = tl.load(positions_ptr + rows, mask=m_ok, other=0).to(tl.int64)
-    cs = cos_sin_ptr + pos[:, None] * stride_cs + d[None, :]
-    cos = tl.load(cs, mask=ok, other=0.0)
-    sin = tl.load(cs + HALF, mask=ok, other=0.0)
-    is_q = head < num_q_heads
-    slice_id = tl.where(is_q, 0, 1)
-    base = head * HEAD_DIM  # k heads follow the q heads in y's columns
-    x1, x2 = _updated_halves(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, base, d,
-                             ok, R, stride_ym, stride_hp, stride_ha, stride_hs, stride_hm,
-                             stride_bl, stride_bn, HALF, NUM_PARTS, TAIL_GROUP, PARTIALS,
-                             BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
-    r1, r2 = rotate(x1.to(tl.float32), x2.to(tl.float32), cos, sin)
+    slice_id = (head >= num_q_heads).to(tl.int32) + (head >= num_q_heads + num_kv_heads)
+    x1, x2 = _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
+                           head * HEAD_DIM, R, stride_ym, stride_hp, stride_ha, stride_hs,
+                           stride_hm, stride_bl, stride_bn, HALF, NUM_PARTS, TAIL_GROUP,
+                           PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
     ty = y_ptr.dtype.element_ty  # rotary's output dtype (q's, k's)
-    if is_q:
+    if slice_id < 2:  # q or k: rotated with each row's cos/sin
+        pos = tl.load(positions_ptr + rows, mask=m_ok, other=0).to(tl.int64)
+        cs = cos_sin_ptr + pos[:, None] * stride_cs + d[None, :]
+        r1, r2 = rotate(x1.to(tl.float32), x2.to(tl.float32), tl.load(cs, mask=ok, other=0.0),
+                        tl.load(cs + HALF, mask=ok, other=0.0))
+        x1, x2 = r1.to(ty), r2.to(ty)
+    if slice_id == 0:
         qo = q_out_ptr + rows[:, None] * stride_qot + head * stride_qoh + d[None, :]
-        tl.store(qo, r1.to(ty), mask=ok)
-        tl.store(qo + HALF, r2.to(ty), mask=ok)
+        tl.store(qo, x1, mask=ok)
+        tl.store(qo + HALF, x2, mask=ok)
     else:
-        kv_head = head - num_q_heads
         slot = tl.load(slot_ptr + rows, mask=m_ok, other=-1).to(tl.int64)
         keep = ok & ((slot >= 0) & (slot < num_slots))[:, None]
         page = slot // PAGE
         off = slot % PAGE
-        kc = k_cache_ptr + (page * stride_kcb + off * stride_kcs)[:, None] \
-            + kv_head * stride_kch + d[None, :]
-        kty = k_cache_ptr.dtype.element_ty
-        tl.store(kc, r1.to(ty).to(kty), mask=keep)
-        tl.store(kc + HALF, r2.to(ty).to(kty), mask=keep)
-        v1, v2 = _updated_halves(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, 2, rows,
-                                 base + num_kv_heads * HEAD_DIM, d, ok, R, stride_ym,
-                                 stride_hp, stride_ha, stride_hs, stride_hm, stride_bl,
-                                 stride_bn, HALF, NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M,
-                                 BLOCK_HALF, BLOCK_R, EVEN_R)
-        vc = v_cache_ptr + (page * stride_vcb + off * stride_vcs)[:, None] \
-            + kv_head * stride_vch + d[None, :]
-        vty = v_cache_ptr.dtype.element_ty
-        tl.store(vc, v1.to(vty), mask=keep)
-        tl.store(vc + HALF, v2.to(vty), mask=keep)
+        if slice_id == 1:
+            kc = k_cache_ptr + (page * stride_kcb + off * stride_kcs)[:, None] \
+                + (head - num_q_heads) * stride_kch + d[None, :]
+            tl.store(kc, x1.to(k_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(kc + HALF, x2.to(k_cache_ptr.dtype.element_ty), mask=keep)
+        else:
+            vc = v_cache_ptr + (page * stride_vcb + off * stride_vcs)[:, None] \
+                + (head - num_q_heads - num_kv_heads) * stride_vch + d[None, :]
+            tl.store(vc, x1.to(v_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(vc + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=keep)
 
 
 def lora_expand_rotary_write_kv(
@@ -208,7 +202,7 @@ def lora_expand_rotary_write_kv(
     cfg = tile_config(config, m, e.rank, max(e.widths))
     g = e.groups
     num_blocks, page = k_cache.shape[:2]
-    grid = (cdiv(m, cfg.block_m) * (hq + hk), g.num_groups)
+    grid = (cdiv(m, cfg.block_m) * (hq + 2 * hk), g.num_groups)
     _expand_rotary_write_kv_kernel[grid](
         y, e.h, lora_b, e.scale, g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
         q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, num_blocks * page, e.rank,
