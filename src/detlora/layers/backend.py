@@ -71,6 +71,10 @@ class OpBackend:
     # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
     # the unfused ops' bits; None: the two ops one after the other.
     lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
+    # (x [T, V], index [T], out=None) -> log_softmax(x.float())[t, index[t]], fp32 [T]: the
+    # log_softmax op's bits for one column per row; None: the sampler gathers it from a
+    # full log_softmax.
+    chosen_logprob: Callable[..., torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -104,7 +108,7 @@ class OpBackend:
     ) -> torch.Tensor:
         """``rotate_and_write_kv`` of a q|k|v output ``y`` plus its LoRA update (three
         slices); the rotated q. ``y`` may be overwritten."""
-        if self.lora_expand_rotary_write_kv is not None:
+        if self.lora_expand_rotary_write_kv is not None and y.shape[0] <= FUSED_QKV_MAX_ROWS:
             return self.lora_expand_rotary_write_kv(y, shrink_out, lora_b, groups,
                                                     slice_offsets, positions, cos_sin,
                                                     k_cache, v_cache, slot_mapping)
@@ -125,6 +129,11 @@ class OpBackend:
         }
 
 
+# The q|k|v expand fused into rotary + KV write pays at decode sizes only: at more rows its
+# per-head programs lose to the expand's tiles (benchmarks/results/fused_qkv_rotary.json).
+# Both paths give the same bits, so the switch never changes a row.
+FUSED_QKV_MAX_ROWS = 32
+
 # op -> (module under detlora.ops, reference function, kernel function).
 _OPS: dict[str, tuple[str, str, str]] = {
     "embedding": ("embedding", "embedding_ref", "embedding"),
@@ -137,6 +146,7 @@ _OPS: dict[str, tuple[str, str, str]] = {
     "paged_attention": ("paged_attention", "paged_attention_ref", "paged_attention"),
     "log_softmax": ("softmax", "log_softmax_ref", "log_softmax"),
     "argmax": ("reductions", "argmax_ref", "argmax"),
+    "chosen_logprob": ("softmax", "chosen_logprob_ref", "chosen_logprob"),
 }
 
 # How each CUDA level implements each op:
