@@ -108,7 +108,7 @@ class OpBackend:
     ) -> torch.Tensor:
         """``rotate_and_write_kv`` of a q|k|v output ``y`` plus its LoRA update (three
         slices); the rotated q. ``y`` may be overwritten."""
-        if self.lora_expand_rotary_write_kv is not None and y.shape[0] <= FUSED_QKV_MAX_ROWS:
+        if self.lora_expand_rotary_write_kv is not None:
             return self.lora_expand_rotary_write_kv(y, shrink_out, lora_b, groups,
                                                     slice_offsets, positions, cos_sin,
                                                     k_cache, v_cache, slot_mapping)
@@ -128,11 +128,6 @@ class OpBackend:
             **{f"op.{k}": v for k, v in sorted(self.impls.items())},
         }
 
-
-# The q|k|v expand fused into rotary + KV write pays at decode sizes only: at more rows its
-# per-head programs lose to the expand's tiles (benchmarks/results/fused_qkv_rotary.json).
-# Both paths give the same bits, so the switch never changes a row.
-FUSED_QKV_MAX_ROWS = 32
 
 # op -> (module under detlora.ops, reference function, kernel function).
 _OPS: dict[str, tuple[str, str, str]] = {

@@ -84,9 +84,8 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
     """The two halves [BLOCK_M, BLOCK_HALF] of one head (columns base.. of y) for ``rows``,
     with the slice's LoRA update added as the expand kernel adds it; in y's dtype.
 
-    Each half is its own [BLOCK_M, BLOCK_HALF] update tile: one [BLOCK_M, 2 BLOCK_HALF] tile
-    split in two gave other bits than the expand kernel on the H200 (13 of the 20 GPU test
-    cases), so the halves stay apart."""
+    Each half is its own [BLOCK_M, BLOCK_HALF] update tile, as the expand's decode tiles
+    are."""
     d = tl.arange(0, BLOCK_HALF)
     cols = base + d % HALF  # padding columns wrap onto real ones: B loads need no mask
     ok = m_ok[:, None] & (d < HALF)[None, :]

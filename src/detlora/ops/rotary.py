@@ -15,7 +15,9 @@ Semantics:
     Elementwise per token, so batch-invariant by construction.
 
 Kernel: programs over (token, block of BLOCK_H heads of q, then of k); a program loads its
-token's cos and sin once and rotates its heads' two halves in fp32.
+token's cos and sin once and rotates its heads' two halves in fp32, as
+``fma(x1, c, -(x2 * s))`` and ``fma(x2, c, x1 * s)`` (explicit FMAs: see ``rotate``; the
+torch reference rounds each product, so the two differ by an ulp at times).
 """
 
 from __future__ import annotations
@@ -88,8 +90,11 @@ def rotary_ref(
 @triton.jit
 def rotate(x1, x2, c, s):
     """The neox rotation of fp32 halves (x1, x2) by (cos, sin): the one place its arithmetic
-    lives, so every kernel that rotates gives the same bits."""
-    return x1 * c - x2 * s, x2 * c + x1 * s
+    lives, so every kernel that rotates gives the same bits. The FMAs are explicit: left to
+    itself the compiler fuses one product or the other depending on the code around the
+    call (the H200 gave other bits for a few elements when the fused q|k|v kernel moved its
+    cos/sin loads), so the bits would change with the kernel."""
+    return tl.fma(x1, c, -(x2 * s)), tl.fma(x2, c, x1 * s)
 
 
 @triton.jit
