@@ -65,6 +65,7 @@ def test_argmax_ties_nan_and_inf(monkeypatch, chunk):
     want = torch.tensor([40, 60, 0, 0, 150, 199, 0, 5])
     assert torch.equal(rd.argmax(x), want)
     assert torch.equal(rd.argmax(x), torch.argmax(x.float(), -1))
+    assert torch.equal(rd.argmax(x), rd.argmax(x.float()))  # the sampler reads bf16 logits
     no_nan = torch.tensor([0, 1, 2, 3, 5, 6, 7])
     assert torch.equal(rd.argmax(x[no_nan]), rd.argmax_ref(x[no_nan]))
 

@@ -102,3 +102,98 @@ def test_bad_inputs_raise_value_error(monkeypatch, op):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="Triton kernels need CUDA tensors"):
         op(x)
+
+
+# ----------------------------------------------------------------------------- chosen_logprob
+
+
+def _chosen_case(t, v, dtype, seed):
+    """Rows with whole -inf chunks, every other entry -inf, and indices that hit the row's
+    maximum, a -inf entry and the last column."""
+    g = torch.Generator().manual_seed(seed)
+    x = _x(t, v, dtype, seed)
+    x[0, : v // 2] = float("-inf")
+    if t > 1:
+        x[1, ::2] = float("-inf")
+    index = torch.randint(0, v, (t,), generator=g)
+    index[0] = v - 1
+    if t > 1:
+        index[1] = 0  # a -inf entry: logprob -inf
+    if t > 2:
+        index[2] = int(x[2].float().argmax())
+    return x, index
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,v", [(1, 7), (5, 300), (3, 5000)])
+def test_chosen_logprob_is_the_log_softmax_column(t, v, dtype):
+    """The kernel: the log-softmax kernel's column of x.float(), bit for bit (5000: two chunks
+    merged); the reference: torch's log_softmax column of x.float()."""
+    x, index = _chosen_case(t, v, dtype, seed=t * v)
+    rows = torch.arange(t)
+    got = sx.chosen_logprob(x, index)
+    assert got.dtype == torch.float32 and got.shape == (t,)
+    assert torch.equal(got, sx.log_softmax(x.float())[rows, index])
+    want_ref = sx.log_softmax_ref(x.float()).gather(1, index[:, None])[:, 0]
+    assert torch.equal(sx.chosen_logprob_ref(x, index), want_ref)
+    if t > 1:
+        assert got[1] == float("-inf")
+    # out: float64 holds the fp32 values exactly, also through a strided view.
+    for make in (lambda: torch.full((t,), float("nan")),
+                 lambda: torch.full((t, 2), float("nan"), dtype=torch.float64)[:, 1]):
+        out = make()
+        assert sx.chosen_logprob(x, index, out=out) is out
+        assert torch.equal(out, got.to(out.dtype))
+        ref_out = make()
+        assert sx.chosen_logprob_ref(x, index, out=ref_out) is ref_out
+        assert torch.equal(ref_out, want_ref.to(out.dtype))
+
+
+def test_chosen_logprob_merges_many_chunks_as_the_kernel(monkeypatch):
+    monkeypatch.setattr(sx, "_CHUNK", 16)
+    assert sx.softmax_config(200) == (16, 13, 1)  # 13 chunks in a 16-wide merge tile
+    for dtype in (torch.float32, torch.bfloat16):
+        x, index = _chosen_case(6, 200, dtype, seed=11)
+        got = sx.chosen_logprob(x, index)
+        assert torch.equal(got, sx.log_softmax(x.float())[torch.arange(6), index])
+
+
+def test_chosen_logprob_rows_do_not_depend_on_the_batch():
+    x, index = _chosen_case(9, 5000, torch.bfloat16, seed=4)
+    full = sx.chosen_logprob(x, index)
+    for i in (0, 1, 4, 8):
+        assert torch.equal(sx.chosen_logprob(x[i:i + 1], index[i:i + 1]), full[i:i + 1])
+    # A misaligned copy of the rows (canonical_rows copies it): the same bits.
+    base = torch.empty(9 * 5000 + 1, dtype=torch.bfloat16)
+    xv = base[1:].view(9, 5000)
+    xv.copy_(x)
+    assert torch.equal(sx.chosen_logprob(xv, index), full)
+
+
+def test_chosen_logprob_bad_inputs_raise_value_error(monkeypatch):
+    x = _x(3, 16, torch.float32, seed=1)
+    idx = torch.tensor([0, 5, 15])
+    cases = [
+        (lambda op: op(x[0], idx), "x must have 2 dimensions"),
+        (lambda op: op(x.double(), idx), "x must have dtype"),
+        (lambda op: op(x.t(), idx), "x must be contiguous in its last dimension"),
+        (lambda op: op(x[:, :0], idx), "x must have at least one row and column"),
+        (lambda op: op(x, idx.int()), "index must have dtype"),
+        (lambda op: op(x, idx[:2]), r"index must have shape \(3,\)"),
+        (lambda op: op(x, idx[:, None]), "index must have 1 dimensions"),
+        (lambda op: op(x, torch.tensor([0, 16, 1])), r"index must be in \[0, 16\), got 16 at "
+                                                     "row 1"),
+        (lambda op: op(x, torch.tensor([0, 1, -1])), r"index must be in \[0, 16\), got -1"),
+        (lambda op: op(x, idx, out=torch.empty(3, dtype=torch.half)), "out must have dtype"),
+        (lambda op: op(x, idx, out=torch.empty(4)), r"out must have shape \(3,\)"),
+        (lambda op: op(x, idx.to("meta")), "index is on meta but x is on cpu"),
+        (lambda op: op(x, idx, out=torch.empty(3, device="meta")), "out is on meta"),
+    ]
+    for op in (sx.chosen_logprob, sx.chosen_logprob_ref):
+        for call, match in cases:
+            with pytest.raises(ValueError, match=match):
+                call(op)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="Triton kernels need CUDA tensors"):
+        sx.chosen_logprob(x, idx)
+    assert torch.equal(sx.chosen_logprob_ref(x, idx), torch.log_softmax(x, -1)[[0, 1, 2], idx])

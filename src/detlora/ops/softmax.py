@@ -7,14 +7,32 @@ Semantics:
     Computed as max, then sum of exp(x - max) in a fixed block order per row; the order
     depends on V alone, never on T.
 
+    index: int64 [T], values in [0, V):
+        chosen_logprob(x, index)
+            = torch.log_softmax(x.float(), dim=-1).gather(1, index[:, None])[:, 0]  # fp32 [T]
+    One column of the log-softmax per row, without writing the other V - 1: bit for bit
+    ``log_softmax(x.float())[t, index[t]]`` of the kernel above, for every dtype of x (a
+    16-bit x gives the bits of its fp32 upcast).
+
 Kernels: the row is cut into fixed chunks of CHUNK elements (CHUNK and the chunk count are
 functions of V). With one chunk a single program per row holds it in registers: max, then
 one ``tl.sum`` of exp(x - max), then the outputs. With several, a first launch writes each
 chunk's (max m_c, sum s_c of exp(x - m_c)) and a second launch, one program per (row,
 chunk), merges its row's chunk statistics in one fixed tree (M = max m_c, exact;
 S = sum of s_c * exp(m_c - M)) and writes its chunk. Every program of a row computes the
-same M and S bit for bit; nothing depends on T, and a decode step (T = 1, V = 128k) gets as
-many CTAs as chunks.
+same M and S bit for bit, thread by thread; nothing depends on T, and a decode step (T = 1,
+V = 128k) gets as many CTAs as chunks. Thread by thread: on the GPU the merge's first
+butterfly step is contracted to an FMA (s_c * exp(...) + the other lane's rounded product),
+so lanes 0-15 and 16-31 of a warp may hold S an ulp apart, and each element uses the S of
+the thread that holds it (seen on the H200).
+
+chosen_logprob: the same chunk statistics (several chunks), then one program per row does
+what the log-softmax kernel's program for the chunk holding index[t] does (the same chunk
+load and layout, M and S by the same code, ``(x - M) - log(S)``) and keeps that one element:
+no [T, V] output is written, and each row reads one chunk after the statistics. The layout
+thus fixes the sums' trees and which thread's S element i gets. For a 16-bit x every chunk
+load keeps 4 elements per thread, as for fp32 (Triton would vectorise 16-bit loads 8 wide):
+the layout, trees and threads of ``x.float()``, so its bits.
 """
 
 from __future__ import annotations
@@ -40,6 +58,17 @@ def softmax_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x.float(), dim=-1).to(x.dtype)
 
 
+def chosen_logprob_ref(
+    x: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log_softmax(x.float())[t, index[t]]`` per row: fp32 [T] (or written into ``out``)."""
+    x, index = _check_chosen(x, index, out)
+    if index.device.type == "cpu":
+        _check_index_range(index, x.shape[1])
+    lp = torch.log_softmax(x.float(), dim=-1).gather(1, index[:, None])[:, 0]
+    return lp if out is None else out.copy_(lp)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -52,15 +81,40 @@ def _chunk_stats(x):
 
 
 @triton.jit
+def _chunk_offsets(CHUNK: tl.constexpr, FP32_VEC: tl.constexpr):
+    """arange(CHUNK); with FP32_VEC, hinted contiguous in runs of 4 only: Triton then lays out
+    a 16-bit row as an fp32 one (4 elements per thread, not 8): the same registers, so the
+    same sum tree and the same thread per element as for x.float()."""
+    if FP32_VEC:
+        return tl.max_contiguous(tl.arange(0, CHUNK), 4)
+    return tl.arange(0, CHUNK)
+
+
+@triton.jit
 def _softmax_stats_kernel(x_ptr, stats_ptr, stride_x, stats_plane, V: tl.constexpr,
-                          CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                          CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                          FP32_VEC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    o = chunk * CHUNK + tl.arange(0, CHUNK)
+    o = chunk * CHUNK + _chunk_offsets(CHUNK, FP32_VEC)
     x = tl.load(x_ptr + row * stride_x + o, mask=o < V, other=float("-inf"))
     m, s = _chunk_stats(x.to(tl.float32))
     tl.store(stats_ptr + row * NUM_CHUNKS + chunk, m)
     tl.store(stats_ptr + stats_plane + row * NUM_CHUNKS + chunk, s)
+
+
+@triton.jit
+def _merged_stats(stats_ptr, row, stats_plane, NUM_CHUNKS: tl.constexpr,
+                  CHUNKS_P2: tl.constexpr):
+    """A row's M = max m_c (exact) and S = sum of s_c * exp(m_c - M), in one fixed tree."""
+    c = tl.arange(0, CHUNKS_P2)
+    ok = c < NUM_CHUNKS
+    mc = tl.load(stats_ptr + row * NUM_CHUNKS + c, mask=ok, other=float("-inf"))
+    sc = tl.load(stats_ptr + stats_plane + row * NUM_CHUNKS + c, mask=ok, other=0.0)
+    m = tl.max(mc, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(sc * tl.exp(mc - m_safe), axis=0)
+    return m, s
 
 
 @triton.jit
@@ -75,13 +129,7 @@ def _row_max_and_sum(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane, V
     if NUM_CHUNKS == 1:
         m, s = _chunk_stats(x)
     else:
-        c = tl.arange(0, CHUNKS_P2)
-        ok = c < NUM_CHUNKS
-        mc = tl.load(stats_ptr + row * NUM_CHUNKS + c, mask=ok, other=float("-inf"))
-        sc = tl.load(stats_ptr + stats_plane + row * NUM_CHUNKS + c, mask=ok, other=0.0)
-        m = tl.max(mc, axis=0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(sc * tl.exp(mc - m_safe), axis=0)
+        m, s = _merged_stats(stats_ptr, row, stats_plane, NUM_CHUNKS, CHUNKS_P2)
     return x, m, s, y_ptr + row * stride_y + o, o < V
 
 
@@ -100,6 +148,30 @@ def _log_softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane
     x, m, s, y, ok = _row_max_and_sum(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane,
                                       V, CHUNK, NUM_CHUNKS, CHUNKS_P2)
     tl.store(y, ((x - m) - tl.log(s)).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _chosen_logprob_kernel(x_ptr, index_ptr, out_ptr, stats_ptr, stride_x, stride_index,
+                           stride_out, stats_plane, V: tl.constexpr, CHUNK: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                           FP32_VEC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.load(index_ptr + row * stride_index)
+    in_row = (i >= 0) & (i < V)  # unchecked on CUDA (a host sync): outside the row, NaN
+    # The chunk holding i, loaded and computed as the log-softmax kernel's program for it
+    # does: the same layout puts element i in the same thread, with that thread's S (lanes
+    # may hold S an ulp apart: see the module doc).
+    o = (tl.where(in_row, i, 0) // CHUNK) * CHUNK + _chunk_offsets(CHUNK, FP32_VEC)
+    x = tl.load(x_ptr + row * stride_x + o, mask=o < V, other=float("-inf")).to(tl.float32)
+    if NUM_CHUNKS == 1:
+        m, s = _chunk_stats(x)
+    else:
+        m, s = _merged_stats(stats_ptr, row, stats_plane, NUM_CHUNKS, CHUNKS_P2)
+    y = (x - m) - tl.log(s)
+    # Picked by a sum: y_i + 0.0 + ... is y_i (-inf and NaN too; y_i is never -0.0).
+    lp = tl.sum(tl.where(o == i, y, 0.0), axis=0)
+    tl.store(out_ptr + row * stride_out,
+             tl.where(in_row, lp, float("nan")).to(out_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -130,7 +202,8 @@ def _launch(kernel, x: object, out: torch.Tensor | None) -> torch.Tensor:
     else:
         stats = torch.empty(2, t, num_chunks, dtype=torch.float32, device=x.device)
         _softmax_stats_kernel[(t, num_chunks)](
-            x, stats, x.stride(0), t * num_chunks, **consts, num_warps=num_warps
+            x, stats, x.stride(0), t * num_chunks, **consts, FP32_VEC=False,
+            num_warps=num_warps,
         )
     kernel[(t, num_chunks)](
         x, y, stats, x.stride(0), y.stride(0), t * num_chunks, **consts,
@@ -155,4 +228,73 @@ def log_softmax(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Te
     return _launch(_log_softmax_kernel, x, out)
 
 
-__all__ = ["log_softmax", "log_softmax_ref", "softmax", "softmax_config", "softmax_ref"]
+def _check_chosen(
+    x: object, index: object, out: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = check_tensor("x", x, ndim=2, dtypes=_DTYPES, unit_last_stride=True)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"x must have at least one row and column, got {tuple(x.shape)}")
+    index = check_tensor("index", index, ndim=1, dtypes=(torch.int64,))
+    check_shape("index", index, (x.shape[0],))
+    if out is not None:
+        out = check_tensor("out", out, ndim=1, dtypes=(torch.float32, torch.float64))
+        check_shape("out", out, (x.shape[0],))
+    for name, t in (("index", index), ("out", out)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}: "
+                             "all tensors must share a device")
+    return x, index
+
+
+def _check_index_range(index: torch.Tensor, vocab: int) -> None:
+    bad = (index < 0) | (index >= vocab)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"index must be in [0, {vocab}), got {int(index[row])} at row {row}")
+
+
+def chosen_logprob(
+    x: torch.Tensor, index: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log_softmax(x.float())[t, index[t]]`` of every row of ``x`` [T, V]: fp32 [T].
+
+    The log-softmax kernel's bits (its chunk statistics and merge), for any dtype of x.
+    ``out`` ([T], fp32 or float64, any stride) receives the fp32 values when given (float64
+    holds them exactly). ``index`` is range-checked on CPU tensors only: on CUDA that would
+    sync the host, and an index outside [0, V) gives NaN there.
+    """
+    x, index = _check_chosen(x, index, out)
+    check_same_device(x=x)  # the others share it: checked above
+    if index.device.type == "cpu":
+        _check_index_range(index, x.shape[1])
+    t, v = x.shape
+    chunk, num_chunks, num_warps = softmax_config(v)
+    x = canonical_rows(x)
+    if out is None:
+        out = torch.empty(t, dtype=torch.float32, device=x.device)
+    consts = {"V": v, "CHUNK": chunk, "NUM_CHUNKS": num_chunks,
+              "FP32_VEC": x.dtype != torch.float32}
+    if num_chunks == 1:
+        stats = out  # unused: the one chunk's statistics are computed with it
+    else:
+        stats = torch.empty(2, t, num_chunks, dtype=torch.float32, device=x.device)
+        _softmax_stats_kernel[(t, num_chunks)](
+            x, stats, x.stride(0), t * num_chunks, **consts, num_warps=num_warps
+        )
+    # num_warps as the log-softmax kernel's: the same layouts, so the same trees.
+    _chosen_logprob_kernel[(t,)](
+        x, index, out, stats, x.stride(0), index.stride(0), out.stride(0), t * num_chunks,
+        **consts, CHUNKS_P2=next_power_of_2(num_chunks), num_warps=num_warps,
+    )
+    return out
+
+
+__all__ = [
+    "chosen_logprob",
+    "chosen_logprob_ref",
+    "log_softmax",
+    "log_softmax_ref",
+    "softmax",
+    "softmax_config",
+    "softmax_ref",
+]
