@@ -264,3 +264,88 @@ def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
         assert any(r.logprobs for r in want)
     with pytest.raises(ValueError, match=r"greedy must be \[6, 2\]"):
         s(logits, [SampleRequest(SamplingParams(), seed=0, position=1)] * 6, greedy=head[:3])
+
+
+def _old_greedy_head(argmax, log_softmax, logits):
+    """The greedy head before chosen_logprob: fp32 logits, a full log_softmax, one column."""
+    x = logits.float()
+    tokens = argmax(x).to(torch.int64)
+    chosen = log_softmax(x).float().gather(1, tokens[:, None])[:, 0]
+    return torch.stack([tokens.double(), chosen.double()], dim=1)
+
+
+def _decode_batch(rng, vocab, n):
+    """bf16 logits (-inf runs in some rows) and a decode step's requests: greedy rows beside
+    sampled ones (temperature, top-p, top-k), logprobs 0 or None, some sampled rows with
+    banned tokens: the batches the greedy head answers."""
+    g = torch.Generator().manual_seed(rng.randrange(1000))
+    logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)
+    for i in range(n):
+        if rng.random() < 0.3:
+            start = rng.randrange(vocab)
+            logits[i, start : start + vocab // 3] = float("-inf")
+    reqs = []
+    for k in range(n):
+        lp = rng.choice([0, 0, None])
+        if rng.random() < 0.5:
+            params = SamplingParams(logprobs=lp)
+            banned = ()
+        else:
+            params = SamplingParams(temperature=rng.choice([0.8, 1.3]),
+                                    top_p=rng.choice([0.95, 1.0]), top_k=rng.choice([0, 40]),
+                                    logprobs=lp, seed=k)
+            banned = tuple(rng.sample(range(vocab), rng.choice([0, 0, 2])))
+        reqs.append(SampleRequest(params, seed=rng.getrandbits(64), position=rng.randrange(10**6),
+                                  banned_token_ids=banned))
+    return logits, reqs
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_model_dtype_logits_and_chosen_logprob_give_the_previous_results(kernels):
+    """The engine's path (bf16 logits as the LM head gives them, chosen_logprob, the greedy
+    head read from bf16) against the previous one (fp32 logits, a full log_softmax gathered,
+    the head from fp32): the same head bits, tokens and logprobs, with and without the head;
+    the torch references (CPU) and the interpreted kernels (the CUDA path)."""
+    if kernels:
+        from detlora.ops.reductions import argmax
+        from detlora.ops.softmax import chosen_logprob, log_softmax
+    else:
+        from detlora.ops.softmax import chosen_logprob_ref as chosen_logprob
+
+        argmax, log_softmax = argmax_ref, log_softmax_ref
+    new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob, kernels=kernels,
+                  logits_dtype=torch.bfloat16)
+    old = Sampler(argmax, log_softmax, kernels=kernels, logits_dtype=torch.bfloat16)
+    rng = random.Random(8)
+    for vocab, n in ((300, 6), (5000, 5), (300, 1), (5000, 2)) * (1 if kernels else 3):
+        logits, reqs = _decode_batch(rng, vocab, n)
+        before = logits.clone()
+        x = logits.float()  # what compute_logits returned before
+        head_old = _old_greedy_head(argmax, log_softmax, x)
+        head_new = new.greedy_head(logits)
+        assert torch.equal(head_new, head_old)
+        want = _as_tuples(old(x, reqs, greedy=head_old))
+        if not kernels:
+            assert want == [(t, lp, list(lp or ())) for t, lp in _previous_sampler(x, reqs)]
+        assert _as_tuples(old(x, reqs)) == want
+        assert _as_tuples(new(logits, reqs, greedy=head_new)) == want
+        assert _as_tuples(new(logits, reqs)) == want
+        assert torch.equal(logits, before)
+
+
+def test_head_path_reads_every_mix_of_wanted_rows():
+    """The greedy head's read: sampled rows' values put among the head's, whichever rows want
+    a logprob (all, none, only greedy ones, only sampled ones, and a sampled row's spare slot)."""
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(5, 300, generator=g) * 3).to(torch.bfloat16)
+    s = sampler(logits_dtype=torch.bfloat16)
+    head = s.greedy_head(logits)
+    for wants in [(0, 0, 0, 0, 0), (None,) * 5, (0, None, 0, None, None), (None, 0, None, 0, 0),
+                  (0, 0, None, None, 0), (None, None, 0, 0, None)]:
+        reqs = [SampleRequest(SamplingParams(logprobs=w) if k % 2 == 0 else
+                              SamplingParams(temperature=0.9, top_p=0.9, logprobs=w, seed=k),
+                              seed=k, position=3)
+                for k, w in enumerate(wants)]
+        want = s(logits, reqs)
+        assert s(logits, reqs, greedy=head) == want
+        assert [r.logprobs is not None for r in want] == [w is not None for w in wants]

@@ -1,6 +1,8 @@
 """The sampling kernels on the GPU: the same bits as their torch references (the hash, the
 float64 Gumbel scores, the top-k / top-p filter), row independence, and the sampler's kernel path
-giving the reference path's tokens and logprobs."""
+giving the reference path's tokens and logprobs. chosen_logprob: the log-softmax kernel's
+column bit for bit (16-bit inputs: that of their fp32 upcast), and the sampler reading bf16
+logits (the LM head's dtype) with it giving the previous fp32 path's results."""
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from detlora.engine.sampler import Sampler, SampleRequest
 from detlora.engine.token_filter import filter_logits
 from detlora.ops import sampling as sp
 from detlora.ops.reductions import argmax
-from detlora.ops.softmax import log_softmax
+from detlora.ops.softmax import chosen_logprob, log_softmax
 
 DEV = "cuda"
 VOCAB = 128256
@@ -69,3 +71,120 @@ def test_filter_logits_kernel_path_gives_the_reference_bits(n):
         fast = filter_logits(logits, temps, tk, lim, log_softmax=log_softmax, kernels=True)
         ref = filter_logits(logits, temps, tk, lim, log_softmax=log_softmax, kernels=False)
         assert torch.equal(fast, ref)
+
+
+def _head_logits(t: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits as an LM head gives them (-inf runs in some rows) and, per row, an index: the
+    last column, a -inf entry, the row's maximum, random ones."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(t, VOCAB, device=DEV, generator=g) * 3).to(dtype)
+    x[0, 1000:90000] = float("-inf")
+    index = torch.randint(0, VOCAB, (t,), device=DEV, generator=g)
+    index[0] = VOCAB - 1
+    if t > 1:
+        x[1, ::2] = float("-inf")
+        index[1] = 0  # a -inf entry: logprob -inf
+    if t > 2:
+        index[2] = x[2].float().argmax()
+    return x, index
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t", [1, 3, 64])
+def test_chosen_logprob_is_the_log_softmax_kernels_column(t, dtype):
+    """The bits of ``log_softmax(x.float())[t, index[t]]`` (the kernel's full output): a 16-bit
+    x gives those of its fp32 upcast (its statistics load keeps the fp32 register layout)."""
+    x, index = _head_logits(t, dtype, seed=t)
+    rows = torch.arange(t, device=DEV)
+    want = log_softmax(x.float())[rows, index]
+    got = chosen_logprob(x, index)
+    assert torch.equal(got, want)
+    assert torch.equal(chosen_logprob(x.float(), index), want)
+    out = torch.full((t, 2), float("nan"), dtype=torch.float64, device=DEV)
+    chosen_logprob(x, index, out=out[:, 1])  # float64, strided: what the greedy head writes
+    assert torch.equal(out[:, 1], want.double())
+    for i in sorted({0, t // 2, t - 1}):  # a row alone: its bits
+        assert torch.equal(chosen_logprob(x[i:i + 1], index[i:i + 1]), got[i:i + 1])
+    if t > 1:
+        assert got[1] == float("-inf")
+    ref = torch.log_softmax(x.double(), -1)[rows, index]
+    finite = ref.isfinite()
+    assert torch.equal(got.isfinite(), finite)
+    assert float((got.double() - ref)[finite].abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chosen_logprob_matches_every_lane_of_the_log_softmax_kernel(dtype):
+    """One row's columns all over its chunks and every thread of a chunk: the log-softmax
+    kernel's S may differ by an ulp between the lanes of a warp (its merge starts with an
+    FMA), and chosen_logprob must give each column the bits of the thread that holds it."""
+    x, _ = _head_logits(3, dtype, seed=5)
+    rows = x[2:3].expand(2048, VOCAB).contiguous()
+    index = torch.arange(2048, device=DEV) * 61 + 5  # up to 124,913: 31 chunks, all lanes
+    want = log_softmax(x[2:3].float())[0, index]
+    assert torch.equal(chosen_logprob(rows, index), want)
+
+
+@pytest.mark.parametrize("t", [1, 3, 64])
+def test_greedy_head_of_bf16_logits_is_the_fp32_heads_bits(t):
+    """The head the decode graph computes, reading the bf16 LM-head output, against the previous
+    one (argmax and a full log_softmax of the fp32 copy), eagerly and inside a CUDA graph."""
+    x, _ = _head_logits(t, torch.bfloat16, seed=10 + t)
+    x32 = x.float()
+    tokens = argmax(x32)
+    old = torch.stack([tokens.double(),
+                       log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
+    s = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
+                logits_dtype=torch.bfloat16)
+    assert torch.equal(argmax(x), tokens)
+    assert torch.equal(s.greedy_head(x), old)
+    static = x.clone()
+    s.greedy_head(static)  # warm-up: compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head = s.greedy_head(static)
+    static.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(head, old)
+
+
+def _decode_requests(n: int) -> list[SampleRequest]:
+    """The engine benchmark's decode batch (half greedy, half temperature 0.8 / top-p 0.95,
+    logprobs=0) with a few other rows: no logprobs, top-k, a banned token."""
+    reqs = []
+    for k in range(n):
+        if k % 2 == 0:
+            params = SamplingParams(max_tokens=4, logprobs=None if k % 8 == 6 else 0)
+        else:
+            params = SamplingParams(max_tokens=4, logprobs=None if k % 8 == 7 else 0,
+                                    temperature=0.8, top_p=0.95,
+                                    top_k=50 if k % 8 == 5 else 0, seed=k)
+        banned = (7, 123) if k % 16 == 3 else ()
+        reqs.append(SampleRequest(params, seed=1000 + k, position=100 + k,
+                                  banned_token_ids=banned))
+    return reqs
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_sampler_on_bf16_logits_gives_the_fp32_paths_results(n):
+    """The engine's sampler now (bf16 logits, chosen_logprob, the head from bf16) against the
+    previous path (fp32 logits, the 16-bit ranks, logprobs gathered from a full log_softmax,
+    the head from fp32): the same tokens and logprobs, with the head and without it."""
+    x, _ = _head_logits(n, torch.bfloat16, seed=20 + n)
+    x32 = x.float()
+    reqs = _decode_requests(n)
+    new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
+                  logits_dtype=torch.bfloat16)
+    old = Sampler(argmax, log_softmax, logits_dtype=torch.bfloat16)
+    tokens = argmax(x32)
+    old_head = torch.stack([tokens.double(),
+                            log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
+    want = old(x32, reqs, greedy=old_head)
+    assert old(x32, reqs) == want
+    assert new(x, reqs, greedy=new.greedy_head(x)) == want
+    assert new(x, reqs) == want
+    # A row with top logprobs: the full path.
+    top = [SampleRequest(SamplingParams(max_tokens=4, logprobs=3), seed=5, position=9), *reqs[1:]]
+    assert new(x, top, greedy=new.greedy_head(x)) == old(x32, top, greedy=old_head)

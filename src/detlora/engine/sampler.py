@@ -15,6 +15,11 @@ parameters, seed and position, never on which other rows share the step:
   probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
   sums do not depend on the scan order (``detlora.engine.token_filter``);
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
+  The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
+  row only when a request wants top logprobs.
+
+Logits arrive in the model's dtype (the LM head's output: no fp32 copy of [N, V]) or fp32;
+every value the sampler computes is that of their fp32 upcast, so both give the same results.
 
 Per call, the per-row parameters (row indices, keys, temperatures, top-k, top-p limits, banned
 tokens) go to the device in one copy, and the results come back in one read.
@@ -121,6 +126,20 @@ class _Upload:
         return dev
 
 
+def _column_of(
+    log_softmax: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[..., torch.Tensor]:
+    """A ``chosen_logprob(x, index, *, out=None)`` from a full row-wise log-softmax: its fp32
+    values of ``x.float()``, one column per row gathered."""
+
+    def chosen_logprob(x: torch.Tensor, index: torch.Tensor, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        lp = log_softmax(x.float()).float().gather(1, index[:, None])[:, 0]
+        return lp if out is None else out.copy_(lp)
+
+    return chosen_logprob
+
+
 def _fp32_bits(values: Sequence[float]) -> list[int]:
     """The fp32 bit patterns (as unsigned ints) of Python floats, rounded as torch rounds."""
     return array.array("I", array.array("f", values).tobytes()).tolist()
@@ -163,16 +182,20 @@ class PendingSample:
 
 
 class Sampler:
-    """Turns fp32 logits [N, V] into one token per row.
+    """Turns logits [N, V] (fp32, or the 16-bit dtype of the LM head) into one token per row.
 
-    ``argmax`` and ``log_softmax`` come from the op backend, so on the GPU they are the
-    batch-invariant kernels of the engine's determinism level. The Gumbel-max and the top-p
+    ``argmax``, ``log_softmax`` and ``chosen_logprob`` come from the op backend, so on the GPU
+    they are the batch-invariant kernels of the engine's determinism level;
+    ``chosen_logprob(x, index, *, out=None)`` must give ``log_softmax(x.float())``'s column
+    ``index`` bit for bit (without it, the sampler gathers that column from a full
+    ``log_softmax``). The Gumbel-max and the top-p
     prefix are ``detlora.ops.sampling`` ops: with ``kernels=None`` its Triton kernels for CUDA
     logits and its torch references otherwise (the interpreter is slow); ``kernels=True``
     always takes the kernels (on the CPU that needs ``TRITON_INTERPRET=1``: tests), ``False``
     never. Both give the same tokens (see ``detlora.ops.sampling`` on the float64 ``log``).
     ``logits_dtype``: a 16-bit dtype in which fp32 logits are exact (the LM head's); the
-    filters then rank them in it (the same ranks and ties, half the key bits).
+    filters then rank them in it (the same ranks and ties, half the key bits). Logits already
+    in that dtype are ranked as they are.
     """
 
     def __init__(
@@ -180,6 +203,7 @@ class Sampler:
         argmax: Callable[[torch.Tensor], torch.Tensor],
         log_softmax: Callable[[torch.Tensor], torch.Tensor],
         *,
+        chosen_logprob: Callable[..., torch.Tensor] | None = None,
         kernels: bool | None = None,
         logits_dtype: torch.dtype | None = None,
     ) -> None:
@@ -195,6 +219,7 @@ class Sampler:
         self._rank_dtype = logits_dtype if logits_dtype != torch.float32 else None
         self._argmax = argmax
         self._log_softmax = log_softmax
+        self._chosen_logprob = chosen_logprob or _column_of(log_softmax)
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._staging = PinnedStaging()
 
@@ -208,10 +233,13 @@ class Sampler:
         """float64 [N, 2]: every row's greedy token id and its logprob, as ``__call__`` gives
         them for a greedy row without banned tokens. Row-wise ops only, so it can run inside
         a decode graph and be handed back to ``__call__`` as ``greedy``."""
-        x = logits.float()
-        tokens = self._argmax(x).to(torch.int64)
-        chosen = self._log_softmax(x).float().gather(1, tokens[:, None])[:, 0]
-        return torch.stack([tokens.double(), chosen.double()], dim=1)
+        # Both ops read the logits in their own dtype: the argmax of 16-bit values is that of
+        # their fp32 upcast (exact), and chosen_logprob gives the upcast's bits.
+        tokens = self._argmax(logits).to(torch.int64)
+        head = torch.empty(logits.shape[0], 2, dtype=torch.float64, device=logits.device)
+        head[:, 0].copy_(tokens)
+        self._chosen_logprob(logits, tokens, out=head[:, 1])
+        return head
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest],
@@ -266,6 +294,13 @@ class Sampler:
             if r.banned_token_ids:
                 banned_rows += [i] * len(r.banned_token_ids)
                 banned_cols += r.banned_token_ids
+        top_n = max((requests[i].params.logprobs for i in want), default=0)
+        # The greedy head answers the greedy rows (token and chosen logprob) unless one bans
+        # tokens or a row wants top logprobs: only the sampled rows are then computed here.
+        use_head = (greedy is not None and bool(greedy_rows) and bool(sampled) and top_n == 0
+                    and not any(requests[i].banned_token_ids for i in greedy_rows))
+        if use_head and tuple(greedy.shape) != (n, 2):
+            raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
         up = _Upload()
         g_rows = up.rows(greedy_rows, n) if greedy_rows and sampled else slice(None)
         s_rows = up.rows(sampled, n) if greedy_rows and sampled else slice(None)
@@ -285,6 +320,19 @@ class Sampler:
                 # top_p = 1 keeps everything (rounding may sum the mass a hair past 1).
                 limit_sec = up.add([int(p.top_p * _FIXED_POINT) if p.top_p < 1.0 else _NO_LIMIT
                                     for p in params])
+        if use_head:
+            # Where the sampled rows' values go in the one read: each token at its row, each
+            # chosen logprob at its row's place among the wanted rows (a row that does not
+            # want it: a spare slot after them, never read).
+            place = {i: n + j for j, i in enumerate(want)}
+            with_lp = any(i in place for i in sampled)
+            head_dst = list(sampled)
+            flat_size = n + len(want)
+            if with_lp:
+                for i in sampled:
+                    head_dst.append(place.get(i, flat_size))
+                    flat_size += int(i not in place)
+            head_sec = up.add(head_dst)
         dev = up.send(device, self._staging) if up.values else None
 
         def resolve(rows: slice | tuple[slice]) -> slice | torch.Tensor:
@@ -297,13 +345,6 @@ class Sampler:
         if banned_rows:
             raw = logits.clone()  # the caller's logits stay untouched
             raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
-        top_n = max((requests[i].params.logprobs for i in want), default=0)
-        # The greedy head answers the greedy rows (token and chosen logprob) unless one bans
-        # tokens or a row wants top logprobs: only the sampled rows are then computed here.
-        use_head = greedy is not None and top_n == 0 and not any(
-            requests[i].banned_token_ids for i in greedy_rows)
-        if use_head and tuple(greedy.shape) != (n, 2):
-            raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
         x = None if use_head else raw.float()  # no copy when already fp32
         tokens = tok_g = tok_s = filtered = None
         if greedy_rows and not use_head:
@@ -313,7 +354,7 @@ class Sampler:
             temps = dev[temp_sec].view(torch.float32)[::2]
             top_k_t = dev[top_k_sec] if top_k_sec is not None else None
             limit_t = dev[limit_sec] if limit_sec is not None else None
-            rows = raw[s_sel]
+            rows = raw[s_sel]  # 16-bit logits are gathered as they are: no fp32 round trip
             if self._rank_dtype is not None and rows.dtype == torch.float32:
                 rows = rows.to(self._rank_dtype)  # exact: the same values, ranks and ties
             filtered = filter_logits(rows, temps, top_k_t, limit_t,
@@ -323,7 +364,8 @@ class Sampler:
             ops = self._ops
             tok_s = (ops.gumbel_argmax if kernels else ops.gumbel_argmax_ref)(filtered, keys, th)
         if use_head:
-            return self._read_with_head(greedy, tok_s, filtered, s_sel, w_sel, want,
+            return self._read_with_head(greedy, tok_s, filtered, dev[head_sec], with_lp,
+                                        w_sel, len(want), flat_size,
                                         self._parser(requests, want, 0))
         if tok_s is None:
             tokens = tok_g
@@ -344,12 +386,14 @@ class Sampler:
         else:
             processed = x.clone() if x is logits else x  # x may be ours already
             processed[s_sel] = filtered
-        lp = self._log_softmax(processed[w_sel]).float()
-        reads = [tokens, lp.gather(1, tokens[w_sel][:, None])]
-        if top_n > 0:
+        if top_n == 0:  # the chosen tokens' logprobs alone: one column, no [N, V] output
+            reads = [tokens, self._chosen_logprob(processed[w_sel], tokens[w_sel])]
+        else:
+            lp = self._log_softmax(processed[w_sel]).float()
             # Stable descending sort: equal logprobs list the lower token id first.
             top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-            reads += [top_vals[:, :top_n], top_ids[:, :top_n]]
+            reads = [tokens, lp.gather(1, tokens[w_sel][:, None]), top_vals[:, :top_n],
+                     top_ids[:, :top_n]]
         # One read: token ids and fp32 logprobs are all exact in float64.
         flat = torch.empty(sum(t.numel() for t in reads), dtype=torch.float64, device=device)
         offset = 0
@@ -360,25 +404,29 @@ class Sampler:
         return PendingSample.read(flat, tokens, self._parser(requests, want, top_n))
 
     def _read_with_head(
-        self, greedy: torch.Tensor, tok_s: torch.Tensor | None, filtered: torch.Tensor | None,
-        s_sel: slice | torch.Tensor, w_sel: slice | torch.Tensor, want: list[int],
-        parse: Callable[[list[float]], list[SampleResult]],
+        self, greedy: torch.Tensor, tok_s: torch.Tensor, filtered: torch.Tensor,
+        dst: torch.Tensor, with_lp: bool, w_sel: slice | torch.Tensor, num_want: int,
+        size: int, parse: Callable[[list[float]], list[SampleResult]],
     ) -> PendingSample:
         """Tokens and chosen logprobs from the greedy head, the sampled rows replaced by
-        theirs (row-wise kernels: the bits the full path gives those rows)."""
-        head = greedy
-        if tok_s is not None:
-            head = greedy.clone()
-            head[s_sel, 0] = tok_s.double()
-            if want:
-                lp = self._log_softmax(filtered).float().gather(1, tok_s[:, None])[:, 0]
-                head[s_sel, 1] = lp.double()
-        n = head.shape[0]
-        flat = torch.empty(n + len(want), dtype=torch.float64, device=head.device)
-        flat[:n].copy_(head[:, 0])
-        if want:
-            flat[n:].copy_(head[w_sel, 1])
-        return PendingSample.read(flat, flat[:n], parse)
+        theirs (row-wise kernels: the bits the full path gives those rows). The read, flat,
+        is n tokens then the wanted rows' logprobs (then spare slots, not read): filled from
+        the head, then the sampled rows' values [tokens | logprobs] put at ``dst`` in one
+        index_copy_ (no clone of the head, no 2-D index_put)."""
+        n, s = greedy.shape[0], tok_s.shape[0]
+        flat = torch.empty(size, dtype=torch.float64, device=greedy.device)
+        if num_want == n:  # every row wants its logprob: both columns in one copy
+            flat[: 2 * n].view(2, n).copy_(greedy.t())
+        else:
+            flat[:n].copy_(greedy[:, 0])
+            if num_want:
+                flat[n : n + num_want].copy_(greedy[w_sel, 1])
+        values = torch.empty(2 if with_lp else 1, s, dtype=torch.float64, device=greedy.device)
+        values[0].copy_(tok_s)
+        if with_lp:
+            self._chosen_logprob(filtered, tok_s, out=values[1])
+        flat.index_copy_(0, dst, values.view(-1))
+        return PendingSample.read(flat[: n + num_want], flat[:n], parse)
 
     @staticmethod
     def _parser(requests: Sequence[SampleRequest], want: list[int],
