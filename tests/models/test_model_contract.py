@@ -55,9 +55,13 @@ def test_logits_are_fp32_and_split_in_two_steps(qwen3):
         model.allocate_kv_cache(8, 4)
         h = model.hidden_states(batch)
         again = model.compute_logits(h[batch.logits_indices])
+        model.allocate_kv_cache(8, 4)
+        head = model(batch, upcast=False)  # what the engine's sampler reads
     assert logits.dtype == torch.float32 and logits.shape == (1, model.spec.vocab_size)
     assert h.dtype == torch.bfloat16
     assert torch.equal(logits, again)
+    assert head.dtype == torch.bfloat16 and torch.equal(head.float(), logits)
+    assert torch.equal(model.compute_logits(h[batch.logits_indices], upcast=False), head)
 
 
 def test_lora_config_reserves_slots(qwen3):

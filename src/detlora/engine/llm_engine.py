@@ -142,8 +142,9 @@ class LLMEngine:
 
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
-        # The LM head computes in the model's dtype, so its fp32 logits are exact there.
-        self.sampler = Sampler(backend.argmax, backend.log_softmax, logits_dtype=self.dtype)
+        # The runner hands over the LM head's output in the model's dtype (not upcast).
+        self.sampler = Sampler(backend.argmax, backend.log_softmax,
+                               chosen_logprob=backend.chosen_logprob, logits_dtype=self.dtype)
         self.runner = ModelRunner(
             self.model, greedy_head=self.sampler.greedy_head, device=self.device,
             num_blocks=num_blocks, block_size=config.block_size,

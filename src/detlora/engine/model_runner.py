@@ -3,8 +3,8 @@
 The runner owns the paged KV cache (allocated through the model, which binds the per-layer
 pages to its attention layers) and, on CUDA unless ``enforce_eager``, the decode graphs.
 Mixed and prefill steps run eagerly; a step where every sequence decodes one token replays
-the graph of its padded batch size. It returns the logits (model dtype) of the rows that
-sample.
+the graph of its padded batch size. It returns the logits of the rows that sample in the
+model dtype (the LM head's output, not upcast: the sampler reads it as it is).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class ModelRunner:
     def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """What a decode graph computes: the logits, and the greedy head's [B, 2] when set
         (row-wise, so a padded bucket gives every real row its own bits)."""
-        logits = self.model(batch)
+        logits = self.model(batch, upcast=False)
         if self.greedy_head is None:
             return (logits,)
         return logits, self.greedy_head(logits)
@@ -136,7 +136,7 @@ class ModelRunner:
         if not step.logits_indices:
             self.model.hidden_states(batch)  # a prefill chunk: only the KV writes matter
             return None
-        return StepLogits(self.model(batch), None)
+        return StepLogits(self.model(batch, upcast=False), None)
 
 
 class StepLogits(NamedTuple):

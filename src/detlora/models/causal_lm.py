@@ -7,6 +7,8 @@ The engine (``engine/``) talks to a model through these methods only:
     model.spec                               # ModelSpec: layers, heads, head_dim, vocab, ...
     logits = model(batch, kv_caches)         # fp32 [len(batch.logits_indices), V]; kv_caches:
                                              # per layer (k_cache, v_cache), engine-allocated
+    logits = model(batch, upcast=False)      # the same in the model dtype (the engine's
+                                             # sampler): fp32 logits are exactly its .float()
     kv = model.allocate_kv_cache(n, size)    # or allocate and bind the pages once, then
     logits = model(batch)                    # run on the bound pages
     model.hidden_states(batch), model.compute_logits(h)   # the same in two steps
@@ -110,25 +112,34 @@ class DecoderForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> fp32 [N, V] (the head GEMM runs in the model dtype, as HF's does)."""
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """[N, H] -> fp32 [N, V] (the head GEMM runs in the model dtype, as HF's does).
+
+        ``upcast=False`` returns the GEMM's output as it is, in the model dtype: the fp32
+        logits are its exact upcast, so a consumer that reads it directly skips an [N, V]
+        fp32 copy.
+        """
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.backend.linear(hidden, head, None).float()
+        logits = self.backend.linear(hidden, head, None)
+        return logits.float() if upcast else logits
 
     def forward(
         self,
         batch: ForwardBatch,
         kv_caches: KVCache | Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        *,
+        upcast: bool = True,
     ) -> torch.Tensor:
         """fp32 next-token logits of the rows ``batch.logits_indices``: [N, V].
 
         ``kv_caches`` (per layer ``(k_cache, v_cache)``) is bound first when given; without it
         the pages bound last (``allocate_kv_cache`` / ``bind_kv_cache``) are used.
+        ``upcast=False``: the logits in the model dtype (see ``compute_logits``).
         """
         if kv_caches is not None:
             self.bind_kv_cache(kv_caches)
         h = self.hidden_states(batch)
-        return self.compute_logits(h.index_select(0, batch.logits_indices))
+        return self.compute_logits(h.index_select(0, batch.logits_indices), upcast=upcast)
 
     # ---- KV cache ----
 
