@@ -3,7 +3,7 @@
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
-#                     [profile-levels] ...
+#                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +44,12 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
 indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
     profile-levels) python3 -m detlora.study.profile_engine --modes run_to_run,batch_invariant \
                       --batches 1,64 --tokens 16 --out "$OUT/profile_levels.json" || status=1 ;;
+    fused-qkv) python3 benchmarks/experiments/fused_qkv_rotary.py "$OUT/fused_qkv_rotary.json" \
+                 || status=1 ;;
+    vendor-gemm) python3 benchmarks/experiments/vendor_gemm_layouts.py \
+                   "$OUT/vendor_gemm_layouts.json" || status=1 ;;
+    profile-overlap) python3 -m detlora.study.profile_engine --modes run_to_run --batches 64 \
+                       --tokens 150 --overlap --out "$OUT/profile_overlap.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
                --out "$OUT/profile_engine.json" || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
