@@ -126,7 +126,8 @@ def token_cos_sin(positions_ptr, cos_sin_ptr, t, stride_cs, HALF: tl.constexpr,
 
 @triton.jit
 def rotate_heads(src, dst, stride_src_h, stride_dst_h, head0, n_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Heads head0.. of one token rotated and stored into dst (dst's dtype)."""
     y1, y2, ok, h, d = rotated_halves(src, stride_src_h, head0, n_heads, cos, sin, HALF,
                                       BLOCK_H, BLOCK_HALF)
     q = dst + h[:, None] * stride_dst_h + d[None, :]
@@ -163,11 +164,11 @@ def _rotary_kernel(
     cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, t, stride_cs, HALF, BLOCK_HALF)
     if hb < q_blocks:
         rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                      hb * BLOCK_H, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+                     hb * BLOCK_H, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
     else:
         rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, stride_kh, stride_koh,
-                      (hb - q_blocks) * BLOCK_H, num_k_heads, cos, sin, HALF, BLOCK_H,
-                      BLOCK_HALF)
+                     (hb - q_blocks) * BLOCK_H, num_k_heads, cos, sin, HALF, BLOCK_H,
+                     BLOCK_HALF)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -65,7 +65,7 @@ def _rotary_write_kv_kernel(
     cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, t, stride_cs, HALF, BLOCK_HALF)
     if hb < q_blocks:
         rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, stride_qh, stride_qoh,
-                      hb * BLOCK_H, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+                     hb * BLOCK_H, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0 and slot < num_slots:
