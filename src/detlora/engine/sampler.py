@@ -345,7 +345,9 @@ class Sampler:
         if banned_rows:
             raw = logits.clone()  # the caller's logits stay untouched
             raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
-        x = None if use_head else raw.float()  # no copy when already fp32
+        # fp32 rows for the greedy rows the head does not answer (no copy when already fp32);
+        # a batch of sampled rows alone never reads them.
+        x = None if use_head or not greedy_rows else raw.float()
         tokens = tok_g = tok_s = filtered = None
         if greedy_rows and not use_head:
             tok_g = self._argmax(x[g_sel]).to(torch.int64)
