@@ -110,6 +110,7 @@ def bad_cases():
         ("must be \\(Hq, Hk, Hk\\) heads", dict(offsets=[0, 32, 56, 64])),
         ("must be \\(Hq, Hk, Hk\\) heads", dict(cache=cache[..., :12])),
         ("positions must be in", dict(pos=pos + 256)),
+        ("positions is on meta", dict(pos=pos.to("meta"))),
         ("slot_mapping must have shape", dict(slots=slots[:3])),
         ("y must have shape", dict(y=torch.randn(5, 64).half())),
         ("lora_b rank 4 must match", dict(b=torch.randn(2, 64, 4).half())),

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.checks import check_same_device
 from detlora.ops.lora_configs import ExpandConfig
 from detlora.ops.lora_expand import (
     expand_args,
@@ -200,6 +201,7 @@ def lora_expand_rotary_write_kv(
     q, k, positions, cos_sin = check_rotary_args(q, k, positions, cos_sin)
     k, v, k_cache, v_cache, slot_mapping = check_write_kv_args(k, v, k_cache, v_cache,
                                                                slot_mapping)
+    check_same_device(y=y, positions=positions, cos_sin=cos_sin, k_cache=k_cache)
     if validate:
         check_positions(positions, cos_sin.shape[0])
     m, hq, hk = y.shape[0], q.shape[1], k.shape[1]
