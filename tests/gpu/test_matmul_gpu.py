@@ -102,7 +102,8 @@ def test_rows_do_not_depend_on_m_fp16_fp32(n, k, dtype):
             assert torch.equal(batch[i], alone[i][0]), (m, i)
 
 
-@pytest.mark.parametrize("n,k", [(3072, 3072), (5120, 3072), (3072, 8192), (1000, 1001)])
+@pytest.mark.parametrize("n,k", [(3072, 3072), (5120, 3072), (3072, 8192), (1024, 3072),
+                                 (512, 4096), (1000, 1001)])
 def test_paths_tiles_loads_and_layouts_give_identical_bits(n, k):
     w, bias = _weights(n, k, torch.bfloat16, seed=7)
     x = _x(300, k, torch.bfloat16, seed=8)
@@ -128,11 +129,11 @@ def test_repeated_runs_are_bitwise_equal(m):
 
 def test_cuda_graph_capture_replays_bitwise_and_keeps_counters_zero():
     ws = MatmulWorkspace(DEV)
-    w, bias = _weights(3072, 3072, torch.bfloat16, seed=3)
-    xs = {m: _x(m, 3072, torch.bfloat16, seed=m) for m in (1, 16, 300, 2048)}
-    outs = {m: torch.empty(m, 3072, device=DEV, dtype=torch.bfloat16) for m in xs}
+    w, bias = _weights(512, 4096, torch.bfloat16, seed=3)
+    xs = {m: _x(m, 4096, torch.bfloat16, seed=m) for m in (1, 16, 300, 2048)}
+    outs = {m: torch.empty(m, 512, device=DEV, dtype=torch.bfloat16) for m in xs}
     eager = {m: mm.linear(x, w, bias, workspace=ws) for m, x in xs.items()}  # grows ws
-    assert mm.matmul_config(1, 3072, 3072).k_split.num_chunks > 1  # counters in use
+    assert mm.matmul_config(1, 512, 4096).k_split.num_chunks > 1  # counters in use
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -154,7 +155,7 @@ def test_cuda_graph_capture_replays_bitwise_and_keeps_counters_zero():
     assert torch.count_nonzero(ws.counters(ws.counter_capacity)) == 0
     # New inputs in the captured buffers: the graph computes them, bit for bit.
     for m, x in xs.items():
-        x.copy_(_x(m, 3072, torch.bfloat16, seed=100 + m))
+        x.copy_(_x(m, 4096, torch.bfloat16, seed=100 + m))
     graph.replay()
     torch.cuda.synchronize()
     for m, x in xs.items():
@@ -162,16 +163,16 @@ def test_cuda_graph_capture_replays_bitwise_and_keeps_counters_zero():
 
 
 def test_workspace_growth_is_refused_during_capture():
-    w, _ = _weights(3072, 3072, torch.bfloat16, seed=5)
-    x = _x(1, 3072, torch.bfloat16, seed=6)
+    w, _ = _weights(512, 4096, torch.bfloat16, seed=5)
+    x = _x(1, 4096, torch.bfloat16, seed=6)
     mm.linear(x, w)  # compile outside the capture
     fresh = MatmulWorkspace(DEV)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(ValueError, match="during CUDA-graph capture"), torch.cuda.graph(graph):
         mm.linear(x, w, workspace=fresh)
-    mm.reserve_workspace(1, 3072, 3072, workspace=fresh, device=DEV)
+    mm.reserve_workspace(1, 512, 4096, workspace=fresh, device=DEV)
     graph = torch.cuda.CUDAGraph()
-    out = torch.empty(1, 3072, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(1, 512, device=DEV, dtype=torch.bfloat16)
     with torch.cuda.graph(graph):
         mm.linear(x, w, out=out, workspace=fresh)
     graph.replay()

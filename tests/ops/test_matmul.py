@@ -190,10 +190,41 @@ def test_split_is_a_function_of_n_and_k_only(n, k, dtype):
 
 
 def test_narrow_outputs_split_k_and_wide_ones_do_not():
-    assert mm.k_split(3072, 3072).num_chunks > 1  # decode of o_proj needs the parallelism
-    assert mm.k_split(1024, 1024).num_chunks > 1
-    assert mm.k_split(16384, 3072).num_chunks == 1  # keeps 128x256 tiles for prefill
-    assert mm.k_split(128256, 3072).num_chunks == 1
+    # bf16/fp16: 64 decode tiles of 16 columns (N >= 1024) need no split.
+    assert mm.k_split(512, 4096).num_chunks > 1
+    assert mm.k_split(1000, 1001).num_chunks > 1
+    for n, k in ((1024, 1024), (3072, 3072), (3072, 8192), (16384, 3072), (128256, 3072)):
+        assert mm.k_split(n, k).num_chunks == 1, (n, k)
+        assert mm.k_split(n, k, torch.float16).num_chunks == 1, (n, k)
+    # fp32 (FMA dots, 64-wide tiles) keeps the split below N = 4096.
+    assert mm.k_split(3072, 3072, torch.float32).num_chunks > 1
+    assert mm.k_split(16384, 3072, torch.float32).num_chunks == 1
+
+
+def test_decode_configs_load_wide_k_blocks_that_divide_k_and_the_chunks():
+    cfg = mm.matmul_config(1, 3072, 3072)
+    assert (cfg.block_n, cfg.block_k, cfg.split_ctas) == (32, 256, True)
+    assert mm.matmul_config(64, 5120, 3072).block_k == 128
+    narrow = mm.matmul_config(1, 512, 4096)  # 8 chunks of 512: 256-wide loads fit
+    assert narrow.k_split.num_chunks > 1 and narrow.block_k == 256
+    assert mm.matmul_config(1, 1000, 1001).block_k == 64  # K not a multiple of 128
+    assert mm.matmul_config(4096, 3072, 3072).block_k == 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [True, False])
+def test_wide_loads_match_fp64(dtype, split):
+    # KSplit blocks of 16 loaded 32 or 64 at a time, 2 chunks of 64: same sum, other tiling.
+    k = 128
+    x, w, bias = _inputs(19, 40, k, dtype, seed=3)
+    want = x.double() @ w.double().T + bias.double()
+    for load_k in (32, 64):
+        cfg = mm.MatmulConfig(mm.KSplit.for_chunks(k, 16, 2), 16, 16, split_ctas=split,
+                              load_k=load_k)
+        out = torch.full((19, 40), float("nan"), dtype=dtype)
+        mm.linear(x, w, bias, out=out, config=cfg, workspace=MatmulWorkspace("cpu"))
+        assert not out.isnan().any()
+        assert _rel(out, want) < TOL[dtype]
 
 
 def _bad_calls():
@@ -220,6 +251,10 @@ def _bad_calls():
         (lambda: mm.matmul(a, b, config=_cfg(64, f16, 2, True)), "config.k_split"),
         (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 24, 16)),
          "config.block_m"),
+        (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
+                                                        load_k=24)), "config.load_k"),
+        (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
+                                                        load_k=32)), "must divide K = 8"),
     ]
 
 
@@ -238,7 +273,7 @@ from detlora.ops import matmul as mm
 out = []
 for m, n, k in json.loads(sys.argv[1]):
     cfg = mm.matmul_config(m, n, k)
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.k_split.block_k
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=cfg.k_split.num_chunks > 1,
                   TMA=True, B_KMAJOR=True, EVEN_K=True, BIAS=1, INPUT_PRECISION=None,
                   stride_ak=1, stride_bk=1, stride_cn=1, stride_biasn=1)
@@ -262,11 +297,12 @@ print(json.dumps(out))
 
 def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_compile):
     """The GPU path, checked without a GPU: Triton compiles the kernels for sm_90 (H100/H200)."""
-    # Decode of o_proj (split over CTAs, ordered reduce), prefill of o_proj (S > 1: 128x128,
-    # two accumulators) and of qkv (S = 1: 128x256).
-    shapes = [[1, 3072, 3072], [4096, 3072, 3072], [4096, 5120, 3072]]
-    decode, prefill_multi, prefill_single = sm90_compile(_SM90_SCRIPT, shapes)
-    for r in (decode, prefill_multi, prefill_single):
+    # Decode of a narrow output (split over CTAs, ordered reduce, 256-wide loads), its
+    # prefill (S > 1: 128x128, two accumulators), decode of o_proj (S = 1, 256-wide loads)
+    # and prefill of qkv (S = 1: 128x256).
+    shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072]]
+    decode, prefill_multi, decode_single, prefill_single = sm90_compile(_SM90_SCRIPT, shapes)
+    for r in (decode, prefill_multi, decode_single, prefill_single):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads
         assert r["smem"] <= 227 * 1024, r

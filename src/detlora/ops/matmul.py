@@ -22,11 +22,13 @@ one rounding to the output dtype. Two kernels build exactly that sum:
                  plain store and resets the counter to zero (no init launch, no zeroing).
     persistent   (many rows) one CTA per SM walks output tiles in grouped (L2-friendly) order
                  and sums every chunk of a tile itself, in one pipelined loop, with no scratch.
-BLOCK_M, BLOCK_N, warps, stages, TMA or pointer loads and the path only move work around: each
-output element is the same sequence of fp32 MMA accumulations, so the GPU tests prove rows
-equal with ``torch.equal`` across all of them. S = 1 keeps one accumulator, which lets the
-persistent kernel use 128x256 tiles; S > 1 needs a second (the running total) and so at most
-128x128 tiles, which is why S > 1 is kept to narrow outputs where decode needs the parallelism.
+BLOCK_M, BLOCK_N, the K width of a load (``load_k``), warps, stages, TMA or pointer loads and
+the path only move work around: each output element is the same sequence of 16-deep fp32 MMA
+accumulations, so the GPU tests prove rows equal with ``torch.equal`` across all of them.
+S = 1 keeps one accumulator, which lets the persistent kernel use 128x256 tiles; S > 1 needs a
+second (the running total) and so at most 128x128 tiles. Decode does not need the split once N
+gives it enough 16-column tiles that load 128-256 K elements at a time, so S > 1 is kept to
+narrow outputs (``k_split``).
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # never for the device at hand: a row then has the same bits on every GPU that runs the kernel
 # the same way. The real SM count only sizes grids.
 _REF_SMS = 132
-_DECODE_BLOCK_N = 64  # output columns per decode CTA that the split count is sized for
-_SPLIT_BELOW_N = 4096  # outputs at least this wide fill the GPU at decode without a split
+_DECODE_BLOCK_N = 16  # output columns per decode CTA that the split count is sized for
+_UNSPLIT_TILES = 64  # that many decode tiles fill the GPU without a split (N >= 1024)
+_FP32_DECODE_BLOCK_N = 64
+_FP32_SPLIT_BELOW_N = 4096
 _MIN_CHUNK_BLOCKS = 4  # a chunk is at least this many BLOCK_K blocks (amortises the merge)
 _MAX_CHUNKS = 16
 
@@ -105,12 +109,21 @@ class KSplit:
 
 
 def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
-    """The reduction order for an [N, K] weight: a function of (N, K, dtype) alone."""
+    """The reduction order for an [N, K] weight: a function of (N, K, dtype) alone.
+
+    bf16/fp16: no split (S = 1) once N gives decode at least ``_UNSPLIT_TILES`` tiles of 16
+    columns; measured on the H200 (matmul_split_counts.json), such tiles loading 128-256 K
+    elements at a time already keep decode at cuBLAS's speed, while every S > 1 costs 15-25%
+    at 1024+ rows (a second accumulator, 128x128 tiles at most). Narrower outputs split K
+    until about two CTAs per SM. fp32 dots run on FMA units in 64-wide tiles and keep the
+    split for every N below 4096.
+    """
     block_k = 32 if dtype == torch.float32 else 64
+    tile_n = _FP32_DECODE_BLOCK_N if dtype == torch.float32 else _DECODE_BLOCK_N
+    tiles = cdiv(n, tile_n)
     chunks = 1
-    if n < _SPLIT_BELOW_N:
-        # Decode (M = 1) has only cdiv(N, 64) tiles: split K until about two CTAs per SM.
-        want = cdiv(2 * _REF_SMS, cdiv(n, _DECODE_BLOCK_N))
+    if (n < _FP32_SPLIT_BELOW_N if dtype == torch.float32 else tiles < _UNSPLIT_TILES):
+        want = cdiv(2 * _REF_SMS, tiles)
         chunks = max(1, min(want, cdiv(k, block_k) // _MIN_CHUNK_BLOCKS, _MAX_CHUNKS))
     return KSplit.for_chunks(k, block_k, chunks)
 
@@ -123,6 +136,9 @@ class MatmulConfig:
     (few rows); otherwise one persistent CTA walks all chunks of its tiles (many rows).
     ``tma``: load through TMA descriptors when the operands allow it (pointer loads otherwise).
     ``flatten``: persistent path only, one pipelined loop over tiles and K blocks.
+    ``load_k``: K elements per load and per ``tl.dot`` (0: ``k_split.block_k``); a multiple of
+    ``k_split.block_k`` that divides K and each chunk. It changes no bits: a dot of any width
+    runs the same 16-deep MMA steps in the same order (GPU-proven, test_matmul_gpu.py).
     """
 
     k_split: KSplit
@@ -135,6 +151,11 @@ class MatmulConfig:
     tma: bool = True
     flatten: bool = True
     programs_per_sm: int = 1
+    load_k: int = 0
+
+    @property
+    def block_k(self) -> int:
+        return self.load_k or self.k_split.block_k
 
 
 # Persistent tile shapes: (BLOCK_M, BLOCK_N, warps, stages, CTAs per SM, relative speed of one
@@ -172,15 +193,17 @@ def matmul_config(
         return MatmulConfig(ks, 32 if small else 64, 64, num_warps=4 if small else 8,
                             num_stages=3, split_ctas=m <= 64)
     if m <= 64:
+        # Decode: narrow tiles until they fill about half the GPU, loading wide K blocks so
+        # that few CTAs still keep enough bytes in flight (matmul_split_counts.json: 4 stages
+        # of 256-wide loads in 16-32 column tiles, 128-wide in 64 column tiles).
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = 64
-        while bn > 32 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms:
+        while bn > 16 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms // 2:
             bn //= 2
-        # Measured on the H200 (benchmarks/results/matmul_sweep_small_m.json): with a split,
-        # each CTA's chunk is short and 4 stages beat 5 by 3-11%; unsplit rows are long and 6
-        # stages are as fast or faster. Stages never change the bits.
-        return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=4 if multi else 6,
-                            split_ctas=True)
+        load_k = _widest_load(ks, k, 128 if bn == 64 else 256)
+        stages = 4 if multi or load_k > ks.block_k else 6
+        return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=stages, split_ctas=True,
+                            load_k=load_k)
     # Many rows: persistent CTAs over the tile shape with the least estimated time (waves of
     # tiles times the tile's cost). S > 1 keeps a running total beside the accumulator, which
     # leaves registers for 128x128 at most.
@@ -206,6 +229,21 @@ def matmul_config(
     # 209 us flattened vs 147 us nested); with S = 1 the flattened loop is as fast or faster.
     return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=False,
                         flatten=not multi, programs_per_sm=per_sm)
+
+
+def _widest_load(ks: KSplit, k: int, most: int) -> int:
+    """The widest load (at most ``most`` K elements) that divides K and every chunk."""
+    load_k = most
+    while load_k > ks.block_k and not _load_fits(ks, k, load_k):
+        load_k //= 2
+    return max(load_k, ks.block_k)
+
+
+def _load_fits(ks: KSplit, k: int, load_k: int) -> bool:
+    # Whole loads only: a load past K would add MMA steps of zero products the narrow loads
+    # never run, so wide loads need K and each chunk to be multiples of them.
+    return k % load_k == 0 and (ks.num_chunks == 1
+                                or (ks.chunk_blocks * ks.block_k) % load_k == 0)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -528,8 +566,16 @@ def _check_config(cfg: object, k: int, dtype: torch.dtype) -> MatmulConfig:
                          "build it with KSplit.for_chunks(K, ...)")
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.group_m < 1:
         raise ValueError(f"config has invalid warps/stages/group_m: {cfg}")
-    if dtype == torch.float32 and cfg.k_split.block_k > 64:
-        raise ValueError("config.k_split.block_k must be <= 64 for fp32 inputs")
+    if dtype == torch.float32 and cfg.block_k > 64:
+        raise ValueError("config.k_split.block_k and load_k must be <= 64 for fp32 inputs")
+    if cfg.load_k:
+        ks = cfg.k_split
+        if cfg.load_k < ks.block_k or cfg.load_k & (cfg.load_k - 1):
+            raise ValueError(f"config.load_k must be 0 or a power of two >= k_split.block_k "
+                             f"({ks.block_k}), got {cfg.load_k}")
+        if cfg.load_k != ks.block_k and not _load_fits(ks, k, cfg.load_k):
+            raise ValueError(f"config.load_k {cfg.load_k} must divide K = {k} and each chunk "
+                             f"of {ks.chunk_blocks * ks.block_k} elements")
     return cfg
 
 
@@ -572,7 +618,7 @@ def _launch(
     cfg = _check_config(
         config or matmul_config(m, n, k, a.dtype, batch, _num_sms(a.device)), k, a.dtype)
     ks = cfg.k_split
-    bm, bn, bk = cfg.block_m, cfg.block_n, ks.block_k
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
     if bias is None:
         bias_mode, bias_arg, sbm, sbn = _BIAS_NONE, out, 0, 0
@@ -624,13 +670,16 @@ _STAGE_CAP: dict[tuple, int] = {}
 
 
 def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
-    return (cfg.block_m, cfg.block_n, cfg.k_split.block_k, cfg.num_warps, cfg.num_stages,
+    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
             cfg.split_ctas, cfg.tma, out_dtype)
 
 
 def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace):
     ks = cfg.k_split
     bm, bn = cfg.block_m, cfg.block_n
+    # Chunk length in loads (a load may span several of k_split's blocks).
+    chunk_loads = (ks.chunk_blocks * ks.block_k // cfg.block_k if ks.num_chunks > 1
+                   else cdiv(k, cfg.block_k))
     tiles = batch * cdiv(m, bm) * cdiv(n, bn)
     if cfg.split_ctas:
         scratch_numel, counter_numel = _workspace_need(cfg, batch, m, n)
@@ -642,13 +691,13 @@ def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, 
             scratch = counters = out  # never touched: one chunk stores directly
         _mm_split_kernel[(tiles * ks.num_chunks,)](
             a_arg, b_arg, out, bias_arg, scratch, counters,
-            m, n, k, ks.num_chunks, ks.chunk_blocks, **common,
+            m, n, k, ks.num_chunks, chunk_loads, **common,
         )
     else:
         programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)
         _mm_persistent_kernel[(programs,)](
             a_arg, b_arg, out, bias_arg,
-            m, n, k, batch, ks.chunk_blocks, programs, **common,
+            m, n, k, batch, chunk_loads, programs, **common,
             # Triton pipelines a flattened tile loop only with TMA loads.
             GROUP_M=cfg.group_m, FLATTEN=cfg.flatten and common["TMA"],
         )

@@ -23,7 +23,15 @@ from pathlib import Path
 
 import torch
 
-from detlora.ops.matmul import KSplit, MatmulConfig, k_split, linear, matmul, matmul_config
+from detlora.ops.matmul import (
+    KSplit,
+    MatmulConfig,
+    _load_fits,
+    k_split,
+    linear,
+    matmul,
+    matmul_config,
+)
 from detlora.study.timing import input_sets_for, time_graph_us
 
 # Layer name -> weight shape (N, K) as nn.Linear stores it.
@@ -98,21 +106,26 @@ def _linear32(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig | None) -> tor
 
 def path_variants(n: int, k: int) -> list[MatmulConfig]:
     """Every way the kernels can be asked to build the default split sum of an [N, K] weight:
-    split over CTAs or persistent, several tiles, warps and stages, TMA or pointer loads,
-    flattened or nested loops. All must give the same bits (tests/gpu proves it too)."""
+    split over CTAs or persistent, several tiles, load widths, warps and stages, TMA or
+    pointer loads, flattened or nested loops. All must give the same bits (tests/gpu proves
+    it too)."""
     ks = k_split(n, k, DTYPE)
+    wide = [w for w in (128, 256) if _load_fits(ks, k, w)]
     out = []
     for bm, bn, warps, stages in ((16, 32, 4, 5), (16, 64, 4, 4), (32, 64, 4, 3),
                                   (64, 64, 4, 5), (64, 128, 4, 4), (128, 128, 8, 3)):
         for tma in (True, False):
             out.append(MatmulConfig(ks, bm, bn, warps, stages, split_ctas=True, tma=tma))
-    tiles = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 128, 8, 3)]
+    for bm, bn, load_k in itertools.product((16, 64), (16, 32), wide):
+        out.append(MatmulConfig(ks, bm, bn, 4, 4, split_ctas=True, load_k=load_k))
+    tiles = [(64, 128, 4, 4, 0), (128, 128, 8, 4, 0), (128, 128, 8, 3, 0)]
+    tiles += [(128, 128, 8, 3, 128)] if 128 in wide else []
     if ks.num_chunks == 1:
-        tiles.append((128, 256, 8, 3))
-    for bm, bn, warps, stages in tiles:
+        tiles.append((128, 256, 8, 3, 0))
+    for bm, bn, warps, stages, load_k in tiles:
         for tma, flatten in ((True, True), (True, False), (False, False)):
             out.append(MatmulConfig(ks, bm, bn, warps, stages, split_ctas=False, tma=tma,
-                                    flatten=flatten))
+                                    flatten=flatten, load_k=load_k))
     return out
 
 
