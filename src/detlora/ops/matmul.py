@@ -166,6 +166,15 @@ _PERSISTENT_TILES = (
     (64, 128, 4, 4, 2, 0.7),
 )
 
+# One-CTA-per-tile shapes for an unsplit K at a few hundred rows, largest first: (BLOCK_M,
+# BLOCK_N, warps, stages, widest load), measured on the H200 (matmul_unsplit_tiles.json).
+_GRID_TILES = (
+    (128, 128, 8, 4, 64),
+    (128, 64, 4, 4, 128),
+    (64, 64, 4, 4, 128),
+    (64, 32, 4, 4, 256),
+)
+
 
 def matmul_config(
     m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
@@ -175,8 +184,11 @@ def matmul_config(
 
     ``k_split`` comes from (N, K, dtype) only; M, batch and ``num_sms`` pick tiles and path:
 
-        bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32 when that gives
-                               too few CTAs), 4 warps, 4 stages (6 when S = 1)
+        bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32, then 16, while
+                               that gives too few CTAs), 128-256-wide K loads, 4 warps
+        bf16/fp16, M > 64,     while 128x256 tiles would fill less than half the GPU: one CTA
+          S = 1                per tile (split path, one chunk), the largest of
+                               ``_GRID_TILES`` that fills half the GPU (64x32 at least)
         bf16/fp16, M > 64      persistent path, the tile of ``_PERSISTENT_TILES`` with the
                                least estimated time (128x256 only when S = 1), its tile loop
                                flattened only when S = 1; the split path (64x128) when S > 1,
@@ -204,6 +216,16 @@ def matmul_config(
         stages = 4 if multi or load_k > ks.block_k else 6
         return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=stages, split_ctas=True,
                             load_k=load_k)
+    half = num_sms // 2
+    if not multi and batch * cdiv(m, 128) * cdiv(n, 256) < half:
+        # Unsplit, a few hundred rows: big tiles would leave most SMs idle, and every tiling
+        # has the same bits, so take the largest tile that still fills half the GPU, one CTA
+        # each (matmul_unsplit_tiles.json: 1.2-2x faster than the persistent tiles there).
+        tile = next((t for t in _GRID_TILES if batch * cdiv(m, t[0]) * cdiv(n, t[1]) >= half),
+                    _GRID_TILES[-1])
+        bm, bn, warps, stages, load_k = tile
+        return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=True,
+                            load_k=_widest_load(ks, k, load_k))
     # Many rows: persistent CTAs over the tile shape with the least estimated time (waves of
     # tiles times the tile's cost). S > 1 keeps a running total beside the accumulator, which
     # leaves registers for 128x128 at most.

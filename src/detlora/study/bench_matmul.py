@@ -116,7 +116,7 @@ def path_variants(n: int, k: int) -> list[MatmulConfig]:
                                   (64, 64, 4, 5), (64, 128, 4, 4), (128, 128, 8, 3)):
         for tma in (True, False):
             out.append(MatmulConfig(ks, bm, bn, warps, stages, split_ctas=True, tma=tma))
-    for bm, bn, load_k in itertools.product((16, 64), (16, 32), wide):
+    for bm, bn, load_k in itertools.product((16, 64, 128), (16, 32, 64), wide):
         out.append(MatmulConfig(ks, bm, bn, 4, 4, split_ctas=True, load_k=load_k))
     tiles = [(64, 128, 4, 4, 0), (128, 128, 8, 4, 0), (128, 128, 8, 3, 0)]
     tiles += [(128, 128, 8, 3, 128)] if 128 in wide else []
