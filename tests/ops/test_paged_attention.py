@@ -226,16 +226,19 @@ def test_tile_slots_direct_only_when_not_larger():
     assert pa.tile_slots(problem(170, 2, None), 21) == (10, 0, True)
 
 
-def test_split_and_unsplit_agree_on_long_folds():
-    """Many segments (kv_split 64 over 190 keys): the last CTA's fold in chunks of rows and
-    four segments at a time equals the single CTA's fold."""
-    c = _cache([190, 75], 6, 2, 16, 8, torch.float16, seed=11)
-    pieces = [(0, 150, 190), (1, 74, 75), (0, 189, 190)]
-    one = _attend(c, pieces, kv_split=64, kv_ctas=1)
-    for ctas in (2, 4):
-        many = _attend(c, pieces, kv_split=64, kv_ctas=ctas)
-        for a, b in zip(one, many, strict=True):
-            assert torch.equal(a, b)
+@pytest.mark.parametrize("hint", [False, True])
+def test_split_and_unsplit_agree_on_long_folds(hint):
+    """Many segments (kv_split 64 over 600 keys: 10, two rounds of the eight-wide fold): the
+    last CTA's fold in chunks of rows equals the single CTA's fold, with fold steps of the
+    decode rows alone (max_query_len 1) or of the whole tile."""
+    c = _cache([600, 75], 6, 2, 16, 8, torch.float16, seed=11)
+    for pieces in ([(0, 550, 600), (1, 74, 75), (0, 580, 600)], [(0, 599, 600), (1, 74, 75)]):
+        mql = max(end - start for _, start, end in pieces) if hint else None
+        one = _attend(c, pieces, kv_split=64, kv_ctas=1, max_query_len=mql)
+        for ctas in (2, 4, 16):
+            many = _attend(c, pieces, kv_split=64, kv_ctas=ctas, max_query_len=mql)
+            for a, b in zip(one, many, strict=True):
+                assert torch.equal(a, b)
 
 
 def test_repeat_runs_are_bitwise_equal():

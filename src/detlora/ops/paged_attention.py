@@ -474,9 +474,9 @@ def _paged_attention_kernel(
                     tot_m = tl.full((MERGE_ROWS,), float("-inf"), dtype=tl.float32)
                     tot_den = tl.zeros((MERGE_ROWS,), dtype=tl.float32)
                     tot_a = tl.zeros((MERGE_ROWS, HEAD_DIM), dtype=tl.float32)
-                    # Four segments' loads in flight, then four folds in order (a fold past
-                    # n_segs is an exact no-op).
-                    for s0 in range(0, n_segs, 4):
+                    # Eight segments' loads in flight, then eight folds in order (a fold past
+                    # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
+                    for s0 in range(0, n_segs, 8):
                         m0, d0, a0 = _load_partial(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
                                                    offs_d, ok, part_stride, HEAD_DIM)
                         m1, d1, a1 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 1, n_segs,
@@ -485,10 +485,22 @@ def _paged_attention_kernel(
                                                    base, offs_d, ok, part_stride, HEAD_DIM)
                         m3, d3, a3 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 3, n_segs,
                                                    base, offs_d, ok, part_stride, HEAD_DIM)
+                        m4, d4, a4 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 4, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        m5, d5, a5 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 5, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        m6, d6, a6 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 6, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
+                        m7, d7, a7 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 7, n_segs,
+                                                   base, offs_d, ok, part_stride, HEAD_DIM)
                         tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m0, d0, a0)
                         tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m1, d1, a1)
                         tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m2, d2, a2)
                         tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m3, d3, a3)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m4, d4, a4)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m5, d5, a5)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m6, d6, a6)
+                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m7, d7, a7)
                     out_ptrs = out_ptr + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
                     tl.store(out_ptrs, _finish(tot_a, tot_den).to(out_ptr.dtype.element_ty),
                              mask=ok[:, None])
@@ -665,6 +677,15 @@ def _device_key(device: torch.device) -> torch.device:
     return device
 
 
+def _merge_rows(block_m: int, group: int, max_query_len: int | None) -> int:
+    """Rows per fold step: a tile's live rows when the host knows them (a decode step's GROUP
+    heads), so the eight partials in flight hold no dead rows; never changes bits."""
+    rows = min(_MERGE_ROWS, block_m)
+    if max_query_len is not None:
+        rows = min(rows, next_power_of_2(max(1, max_query_len) * group))
+    return rows
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs (test path) must not silently drop to tf32 on the GPU.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -804,7 +825,8 @@ def paged_attention(
         PAGE=problem.page_size, GROUP=problem.group, HEAD_DIM=problem.head_dim,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
-        MERGE_ROWS=min(_MERGE_ROWS, cfg.block_m), DOT_PRECISION=_dot_precision(q.dtype),
+        MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
