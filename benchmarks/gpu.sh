@@ -3,7 +3,8 @@
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
-#                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap] ...
+#                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
+#                     [matmul-split-counts] [matmul-unsplit-tiles] [attention-fold] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,12 @@ indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
                  || status=1 ;;
     vendor-gemm) python3 benchmarks/experiments/vendor_gemm_layouts.py \
                    "$OUT/vendor_gemm_layouts.json" || status=1 ;;
+    matmul-split-counts) python3 benchmarks/experiments/matmul_split_counts.py \
+                           "$OUT/matmul_split_counts.json" || status=1 ;;
+    matmul-unsplit-tiles) python3 benchmarks/experiments/matmul_unsplit_tiles.py \
+                            "$OUT/matmul_unsplit_tiles.json" || status=1 ;;
+    attention-fold) python3 benchmarks/experiments/attention_fold_segments.py \
+                      "$OUT/attention_fold_segments.json" || status=1 ;;
     profile-overlap) python3 -m detlora.study.profile_engine --modes run_to_run --batches 64 \
                        --tokens 150 --overlap --out "$OUT/profile_overlap.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \
