@@ -4,7 +4,7 @@
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
-#                     [matmul-split-counts] [matmul-unsplit-tiles] [attention-fold] ...
+#                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +53,8 @@ indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
                            "$OUT/matmul_split_counts.json" || status=1 ;;
     matmul-unsplit-tiles) python3 benchmarks/experiments/matmul_unsplit_tiles.py \
                             "$OUT/matmul_unsplit_tiles.json" || status=1 ;;
+    matmul-decode-tiles) python3 benchmarks/experiments/matmul_decode_tiles.py \
+                           "$OUT/matmul_decode_tiles.json" || status=1 ;;
     attention-fold) python3 benchmarks/experiments/attention_fold_segments.py \
                       "$OUT/attention_fold_segments.json" || status=1 ;;
     profile-overlap) python3 -m detlora.study.profile_engine --modes run_to_run --batches 64 \

@@ -299,10 +299,12 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     """The GPU path, checked without a GPU: Triton compiles the kernels for sm_90 (H100/H200)."""
     # Decode of a narrow output (split over CTAs, ordered reduce, 256-wide loads), its
     # prefill (S > 1: 128x128, two accumulators), decode of o_proj (S = 1, 256-wide loads)
-    # and prefill of qkv (S = 1: 128x256).
-    shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072]]
-    decode, prefill_multi, decode_single, prefill_single = sm90_compile(_SM90_SCRIPT, shapes)
-    for r in (decode, prefill_multi, decode_single, prefill_single):
+    # prefill of qkv (S = 1: 128x256) and batch-64 decode of qkv (6 stages of 64x128 + 64x128).
+    shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072],
+              [64, 5120, 3072]]
+    decode, prefill_multi, decode_single, prefill_single, decode_wide = sm90_compile(
+        _SM90_SCRIPT, shapes)
+    for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads
         assert r["smem"] <= 227 * 1024, r

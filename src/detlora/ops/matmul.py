@@ -206,14 +206,15 @@ def matmul_config(
                             num_stages=3, split_ctas=m <= 64)
     if m <= 64:
         # Decode: narrow tiles until they fill about half the GPU, loading wide K blocks so
-        # that few CTAs still keep enough bytes in flight (matmul_split_counts.json: 4 stages
-        # of 256-wide loads in 16-32 column tiles, 128-wide in 64 column tiles).
+        # that few CTAs still keep enough bytes in flight (matmul_split_counts.json,
+        # matmul_decode_tiles.json: 4 stages of 256-wide loads in 16-32 column tiles, 6 of
+        # 128-wide loads in 64 column tiles).
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = 64
         while bn > 16 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms // 2:
             bn //= 2
         load_k = _widest_load(ks, k, 128 if bn == 64 else 256)
-        stages = 4 if multi or load_k > ks.block_k else 6
+        stages = 4 if multi or load_k >= 256 else 6
         return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=stages, split_ctas=True,
                             load_k=load_k)
     half = num_sms // 2
