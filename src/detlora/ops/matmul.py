@@ -16,10 +16,11 @@ BLOCK_K and cuts the K axis into S chunks of ``chunk_blocks`` BLOCK_K blocks. Ea
 summed block by block from zero (one MMA chain), and the chunk sums are added to a total that
 starts at zero, in chunk order: ``y = ((0 + p0) + p1) + ... + p(S-1)``, then ``+ bias``, then
 one rounding to the output dtype. Two kernels build exactly that sum:
-    split        (few rows) S CTAs per output tile, one chunk each; every CTA stores its fp32
-                 partial to scratch and bumps the tile's counter (acq_rel, GPU scope); the CTA
-                 that arrives last adds the S partials in chunk order, writes the tile with a
-                 plain store and resets the counter to zero (no init launch, no zeroing).
+    split        (up to a few hundred rows) S CTAs per output tile, one chunk each; every
+                 CTA stores its fp32 partial to scratch and bumps the tile's counter (acq_rel,
+                 GPU scope); the CTA that arrives last adds the S partials in chunk order,
+                 writes the tile with a plain store and resets the counter to zero (no init
+                 launch, no zeroing). With S = 1: one CTA per tile, storing directly.
     persistent   (many rows) one CTA per SM walks output tiles in grouped (L2-friendly) order
                  and sums every chunk of a tile itself, in one pipelined loop, with no scratch.
 BLOCK_M, BLOCK_N, the K width of a load (``load_k``), warps, stages, TMA or pointer loads and
