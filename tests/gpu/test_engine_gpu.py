@@ -209,3 +209,17 @@ def test_running_one_step_ahead_gives_the_step_by_step_bits(assets, level):
     stopped = sum(o.outputs[0].finish_reason == "stop" for o in step_by_step)
     assert engine.num_steps - steps <= steps <= engine.num_steps - steps + stopped
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("level", ["run_to_run", "batch_invariant"])
+def test_pdl_launches_give_the_bits_of_plain_launches(assets, monkeypatch, level):
+    """Kernels launched with programmatic dependent launch (ops/pdl.py, on by default on
+    sm_90) give the engine's bits of plain launches, graphs and running ahead included."""
+    model_dir, loras, prompts = assets
+    params = _params(len(prompts))
+    mixed = [loras[k % 2] if k % 3 else None for k in range(len(prompts))]
+    monkeypatch.setenv("DETLORA_PDL", "0")
+    plain = _llm(model_dir, determinism=level).generate(prompts, params, mixed, use_tqdm=False)
+    monkeypatch.setenv("DETLORA_PDL", "1")
+    pdl = _llm(model_dir, determinism=level).generate(prompts, params, mixed, use_tqdm=False)
+    assert _diff(pdl, plain) == []

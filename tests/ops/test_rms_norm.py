@@ -213,7 +213,7 @@ for h in json.loads(sys.argv[1]):
     for dtype in ("*bf16", "*fp32"):
         for fn in (rn._rms_norm_kernel, rn._fused_add_rms_norm_kernel):
             k, _ = compile_kernel(
-                fn, dict(H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows), {},
+                fn, dict(H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows, PDL=True), {},
                 num_warps=cfg.num_warps, default_ptr=dtype, int_types={"eps": "fp32"},
                 div16=("stride_x", "stride_r", "stride_y", "stride_ro"))
             ptx = k.asm["ptx"]
@@ -232,6 +232,9 @@ def test_default_configs_compile_for_sm90_without_spills(sm90_compile):
     for r in results:
         # No spills, and x (and the residual) are read in 16-byte vectors.
         assert r["spills"] == 0 and r["v4_loads"] > 0, r
+        # Launched with PDL on sm_90 (ops/pdl.py): let the next kernel in, then wait.
+        assert r["ptx"].get("griddepcontrol.launch_dependents") == 1, r
+        assert r["ptx"].get("griddepcontrol.wait") == 1, r
 
 
 def test_misaligned_views_go_through_aligned_copies():

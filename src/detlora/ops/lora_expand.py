@@ -39,6 +39,7 @@ from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig, expand_config
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
 from detlora.ops.lora_workspace import MAX_LORA_RANK
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 
 MAX_SLICES = 3
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16)
@@ -151,7 +152,9 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     # Grid: (m tiles x n tiles of the widest slice, slices, groups).
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
@@ -281,7 +284,7 @@ def lora_expand(
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         EVEN_R=e.rank % cfg.block_r == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return y
 

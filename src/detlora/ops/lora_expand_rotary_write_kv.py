@@ -47,6 +47,7 @@ from detlora.ops.lora_expand import (
 )
 from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.paged_attention import check_write_kv_args
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 from detlora.ops.rotary import check_positions, check_rotary_args, rotate
 from detlora.ops.rotary_write_kv import rotary_write_kv_ref
 
@@ -119,7 +120,9 @@ def _expand_rotary_write_kv_kernel(
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     # Grid: (m tiles x (Hq + 2 Hk) heads: q, then k, then v, groups). y's columns hold the
     # heads in that order, so head j starts at column j * HEAD_DIM.
     pid = tl.program_id(0)
@@ -221,6 +224,7 @@ def lora_expand_rotary_write_kv(
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=cfg.block_r,
         EVEN_R=e.rank % cfg.block_r == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(y),
     )
     return q_out
 

@@ -37,6 +37,7 @@ from detlora.ops.lora_expand import (
     tile_config,
 )
 from detlora.ops.lora_partials import ShrinkPartials
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 from detlora.ops.silu_and_mul import silu_and_mul_ref
 
 
@@ -81,7 +82,9 @@ def _expand_silu_and_mul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     # Grid: (m tiles x n tiles of I, groups).
     pid = tl.program_id(0)
     group = tl.program_id(1)
@@ -155,7 +158,7 @@ def lora_expand_silu_and_mul(
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
         EVEN_R=e.rank % cfg.block_r == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return out
 

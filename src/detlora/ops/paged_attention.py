@@ -36,6 +36,7 @@ import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 
 
 def write_kv_ref(
@@ -180,7 +181,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # Negative slots are padding; slots past the cache are skipped rather than written out of
@@ -386,7 +389,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq, q_tile = find_tile(pid, query_start_loc_ptr, num_seqs, tiles_per_seq,
@@ -741,7 +746,7 @@ def write_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=page, NUM_KV_HEADS=hk, HEAD_DIM=d, BLOCK_H=next_power_of_2(hk),
         BLOCK_D=next_power_of_2(d),
-        num_warps=4,
+        num_warps=4, **pdl_kwargs(k),
     )
 
 
@@ -827,7 +832,7 @@ def paged_attention(
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
         DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
     return out
 

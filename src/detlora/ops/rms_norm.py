@@ -42,6 +42,7 @@ import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 from detlora.ops.reductions import canonical_out, canonical_rows, finish_out
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -99,7 +100,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < n_rows)[:, None]
     x_rows = x_ptr + rows[:, None] * stride_x
@@ -143,7 +146,9 @@ def _fused_add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = (rows < n_rows)[:, None]
     x_rows = x_ptr + rows[:, None] * stride_x
@@ -294,6 +299,7 @@ def rms_norm(
         xc, canonical_rows(weight), dst,
         t, xc.stride(0), dst.stride(0), eps,
         H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows, num_warps=cfg.num_warps,
+        **pdl_kwargs(x),
     )
     return finish_out(out, dst)
 
@@ -337,6 +343,7 @@ def fused_add_rms_norm(
         xc, rc, canonical_rows(weight), y, r,
         t, xc.stride(0), rc.stride(0), y.stride(0), r.stride(0), eps,
         H=h, BLOCK=block, NUM_BLOCKS=num_blocks, ROWS=cfg.rows, num_warps=cfg.num_warps,
+        **pdl_kwargs(x),
     )
     return finish_out(out, y), finish_out(residual_out, r)
 

@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (ops/pdl.py) on the GPU: a decode-like chain of kernels that
+each read what the one before wrote gives, launched with PDL, the bits of plain launches,
+eager and in a replayed CUDA graph. A kernel that read before its ``griddepcontrol.wait``
+would read stale activations here and differ."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detlora.ops import matmul as mm
+from detlora.ops import rms_norm as rn
+from detlora.ops.pdl import pdl_launch
+
+HIDDEN, WIDE, NARROW, LAYERS = 1024, 3072, 512, 6
+
+
+def _weights():
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*size, std):
+        return (torch.randn(*size, generator=g, device="cuda") * std).to(torch.bfloat16)
+
+    return [dict(norm=1 + rnd(HIDDEN, std=0.1), up=rnd(WIDE, HIDDEN, std=0.03),
+                 down=rnd(HIDDEN, WIDE, std=0.02), side=rnd(NARROW, HIDDEN, std=0.03),
+                 back=rnd(HIDDEN, NARROW, std=0.04)) for _ in range(LAYERS)]
+
+
+def _chain(x: torch.Tensor, layers) -> torch.Tensor:
+    """Per layer: norm -> wide GEMM (unsplit, prefetching) -> GEMM back -> add+norm -> narrow
+    GEMM (split K over CTAs, counters) -> GEMM back; every kernel reads its predecessor."""
+    residual = x.clone()
+    h = rn.rms_norm(x, layers[0]["norm"], 1e-5)
+    for w in layers:
+        h = mm.linear(mm.linear(h, w["up"]), w["down"])
+        h, residual = rn.fused_add_rms_norm(h, residual, w["norm"], 1e-5)
+        h = mm.linear(mm.linear(h, w["side"]), w["back"])
+    return h + residual
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_pdl_chain_gives_the_bits_of_plain_launches(monkeypatch, m):
+    assert pdl_launch(torch.empty(1, device="cuda")) == (
+        torch.cuda.get_device_capability()[0] >= 9)
+    layers = _weights()
+    x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("DETLORA_PDL", "0")
+    plain = _chain(x, layers)
+    monkeypatch.setenv("DETLORA_PDL", "1")
+    for _ in range(3):
+        assert torch.equal(_chain(x, layers), plain)
+    static_x = x.clone()
+    _chain(static_x, layers)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(static_x, layers)
+    for k in range(5):
+        # New inputs each replay: a stale read would show as a difference.
+        static_x.copy_(x if k % 2 == 0 else x.flip(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("DETLORA_PDL", "0")
+        want = plain if k % 2 == 0 else _chain(x.flip(0), layers)
+        monkeypatch.setenv("DETLORA_PDL", "1")
+        assert torch.equal(out, want), k
