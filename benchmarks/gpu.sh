@@ -4,7 +4,7 @@
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
-#                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] ...
+#                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,8 @@ indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
                            "$OUT/matmul_decode_tiles.json" || status=1 ;;
     attention-fold) python3 benchmarks/experiments/attention_fold_segments.py \
                       "$OUT/attention_fold_segments.json" || status=1 ;;
+    pdl-decode) python3 benchmarks/experiments/pdl_decode.py "$OUT/pdl_decode.json" \
+                  || status=1 ;;
     profile-overlap) python3 -m detlora.study.profile_engine --modes run_to_run --batches 64 \
                        --tokens 150 --overlap --out "$OUT/profile_overlap.json" || status=1 ;;
     profile) python3 -m detlora.study.profile_engine --modes fast,run_to_run,batch_invariant \

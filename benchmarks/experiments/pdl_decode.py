@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (ops/pdl.py) on the engine's decode: on against off.
+
+For batch_invariant and run_to_run on the engine benchmark's model (Llama-3.2-3B shape, random
+bf16 weights, rank-16 adapter on all seven projections), once with ``DETLORA_PDL=0`` and once
+with PDL: batch-1 TPOT and batch-64 tok/s (as bench_engine measures them), one decode graph
+replay at batch 1 and 64 (CUDA events, median), the batch-1 replay's kernel timeline (idle
+time on the main stream), and the 64 prompts' tokens and logprobs compared between the two.
+
+    PYTHONPATH=src python benchmarks/experiments/pdl_decode.py OUT.json
+"""
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from detlora.cli import results_meta
+from detlora.lora.request import LoRARequest
+from detlora.study import bench_engine as be
+from detlora.study import profile_engine as pe
+
+PLAN = replace(be.BenchPlan(), throughput_batches=(1, 64))
+
+
+def measure(root: Path, w: "be._Workload", mode: str, pdl: str) -> tuple[dict, list]:
+    os.environ["DETLORA_PDL"] = pdl
+    llm = be._engine(root / "model", mode, PLAN)
+    row: dict = {"mode": mode, "pdl": pdl == "1"}
+    for t in be._throughput(llm, mode, w, print):
+        row[f"b{t['batch']}"] = {k: t[k] for k in ("output_tok_per_s", "tpot_ms")}
+    graphs = llm.engine.runner.graphs
+    for b in (1, 64):
+        row[f"replay_us_b{b}"] = round(pe._event_us(graphs.graphs[graphs.bucket_for(b)].replay,
+                                                    reps=50), 1)
+    tl = pe._timeline(graphs.graphs[graphs.bucket_for(1)].replay)
+    row["timeline_b1"] = {k: tl[k] for k in ("main_span_us", "main_idle_us")}
+    outs = w.generate(llm, list(range(PLAN.prompts)))
+    print(json.dumps(row), flush=True)
+    del llm
+    be._free_gpu()
+    return row, outs
+
+
+def main(out_path: str) -> None:
+    rows, bits = [], []
+    with tempfile.TemporaryDirectory(prefix="detlora-pdl-") as tmp:
+        root = Path(tmp)
+        be.write_model(root / "model", PLAN.shape)
+        for k in range(2):
+            be.write_adapter(root / f"adapter{k}", PLAN.shape, seed=10 + k)
+        loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
+        w = be._Workload(PLAN, loras)
+        for mode in ("batch_invariant", "run_to_run"):
+            got = {}
+            for pdl in ("0", "1"):
+                row, got[pdl] = measure(root, w, mode, pdl)
+                rows.append(row)
+            bits.append({"mode": mode, "prompts": PLAN.prompts,
+                         "differing": be._count_diff(got["1"], got["0"])})
+            print(bits[-1], flush=True)
+    result = {"meta": results_meta("python benchmarks/experiments/pdl_decode.py OUT.json"),
+              "rows": rows, "bits_pdl_vs_plain": bits}
+    Path(out_path).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
