@@ -38,7 +38,7 @@ def measure(root: Path, w: "be._Workload", mode: str, pdl: str) -> tuple[dict, l
     row["timeline_b1"] = {k: tl[k] for k in ("main_span_us", "main_idle_us")}
     outs = w.generate(llm, list(range(PLAN.prompts)))
     print(json.dumps(row), flush=True)
-    del llm
+    del llm, graphs  # the graphs hold the model's memory too
     be._free_gpu()
     return row, outs
 
