@@ -1,10 +1,12 @@
 """Programmatic dependent launch (ops/pdl.py) on the engine's decode: on against off.
 
-For batch_invariant and run_to_run on the engine benchmark's model (Llama-3.2-3B shape, random
-bf16 weights, rank-16 adapter on all seven projections), once with ``DETLORA_PDL=0`` and once
-with PDL: batch-1 TPOT and batch-64 tok/s (as bench_engine measures them), one decode graph
-replay at batch 1 and 64 (CUDA events, median), the batch-1 replay's kernel timeline (idle
-time on the main stream), and the 64 prompts' tokens and logprobs compared between the two.
+For batch_invariant (and run_to_run) on the engine benchmark's model (Llama-3.2-3B shape,
+random bf16 weights, rank-16 adapter on all seven projections), with ``DETLORA_PDL=0`` and with
+PDL in variants of the matmul's part (whether it lets the next kernel launch after its K loop,
+and how many weight bytes each decode CTA prefetches into L2 before its wait): batch-1 TPOT and
+batch-64 tok/s (as bench_engine measures them), one decode graph replay at batch 1 and 64 (CUDA
+events, median), the batch-1 replay's kernel timeline (idle time on the main stream), and the
+64 prompts' tokens and logprobs compared with those of plain launches.
 
     PYTHONPATH=src python benchmarks/experiments/pdl_decode.py OUT.json
 """
@@ -18,16 +20,30 @@ from pathlib import Path
 
 from detlora.cli import results_meta
 from detlora.lora.request import LoRARequest
+from detlora.ops import matmul as mm
 from detlora.study import bench_engine as be
 from detlora.study import profile_engine as pe
 
 PLAN = replace(be.BenchPlan(), throughput_batches=(1, 64))
 
 
-def measure(root: Path, w: "be._Workload", mode: str, pdl: str) -> tuple[dict, list]:
-    os.environ["DETLORA_PDL"] = pdl
+# (name, PDL on, matmul triggers after its K loop, prefetch bytes per decode CTA)
+VARIANTS = {
+    "batch_invariant": [("off", False, True, 65536), ("trigger+prefetch64k", True, True, 65536),
+                        ("no_trigger+prefetch64k", True, False, 65536),
+                        ("no_trigger", True, False, 0),
+                        ("no_trigger+prefetch192k", True, False, 196608)],
+    "run_to_run": [("off", False, True, 65536), ("on", True, True, 65536)],
+}
+
+
+def measure(root: Path, w: "be._Workload", mode: str, variant: tuple) -> tuple[dict, list]:
+    name, on, trigger, prefetch = variant
+    os.environ["DETLORA_PDL"] = "1" if on else "0"
+    mm._PDL_GEMM_TRIGGERS, mm._PREFETCH_BYTES = trigger, prefetch
     llm = be._engine(root / "model", mode, PLAN)
-    row: dict = {"mode": mode, "pdl": pdl == "1"}
+    row: dict = {"mode": mode, "variant": name, "pdl": on, "matmul_triggers": trigger,
+                 "prefetch_bytes": prefetch}
     for t in be._throughput(llm, mode, w, print):
         row[f"b{t['batch']}"] = {k: t[k] for k in ("output_tok_per_s", "tpot_ms")}
     graphs = llm.engine.runner.graphs
@@ -52,14 +68,15 @@ def main(out_path: str) -> None:
             be.write_adapter(root / f"adapter{k}", PLAN.shape, seed=10 + k)
         loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
         w = be._Workload(PLAN, loras)
-        for mode in ("batch_invariant", "run_to_run"):
+        for mode, variants in VARIANTS.items():
             got = {}
-            for pdl in ("0", "1"):
-                row, got[pdl] = measure(root, w, mode, pdl)
+            for v in variants:
+                row, got[v[0]] = measure(root, w, mode, v)
                 rows.append(row)
-            bits.append({"mode": mode, "prompts": PLAN.prompts,
-                         "differing": be._count_diff(got["1"], got["0"])})
-            print(bits[-1], flush=True)
+            for name in list(got)[1:]:
+                bits.append({"mode": mode, "variant": name, "prompts": PLAN.prompts,
+                             "differing": be._count_diff(got[name], got["off"])})
+                print(bits[-1], flush=True)
     result = {"meta": results_meta("python benchmarks/experiments/pdl_decode.py OUT.json"),
               "rows": rows, "bits_pdl_vs_plain": bits}
     Path(out_path).write_text(json.dumps(result, indent=1))

@@ -277,7 +277,7 @@ for m, n, k in json.loads(sys.argv[1]):
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=cfg.k_split.num_chunks > 1,
                   TMA=True, B_KMAJOR=True, EVEN_K=True, BIAS=1, INPUT_PRECISION=None,
                   stride_ak=1, stride_bk=1, stride_cn=1, stride_biasn=1)
-    consts["PDL"] = True  # as launched on sm_90: griddepcontrol in every kernel
+    consts.update(PDL=True, PDL_TRIGGER=True)  # as launched on sm_90 (ops/pdl.py)
     if cfg.split_ctas:
         consts.update(PREFETCH_LINES=16 if m <= 64 else 0, LINE_ELEMS=64)
     else:

@@ -63,6 +63,7 @@ _MAX_CHUNKS = 16
 
 _BIAS_NONE, _BIAS_ROW, _BIAS_FULL = 0, 1, 2
 _PREFETCH_BYTES = 64 * 1024  # weight bytes a decode CTA asks L2 for before its PDL wait
+_PDL_GEMM_TRIGGERS = True  # let the next kernel launch once the K loops are done
 _LINE_BYTES = 128
 
 
@@ -374,7 +375,8 @@ def _mm_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     EVEN_K: tl.constexpr, BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
     # scheduled together and the last one finds its partners' partials in L2.
@@ -407,7 +409,7 @@ def _mm_split_kernel(
         a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
                                 BLOCK_K, TMA, B_KMAJOR, EVEN_K)
         acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
-    pdl_trigger(PDL)
+    pdl_trigger(PDL_TRIGGER)
 
     if MULTI_CHUNK:
         # Scratch holds [tile, chunk, BLOCK_M, BLOCK_N] partials, tile-local and contiguous.
@@ -440,6 +442,7 @@ def _mm_persistent_kernel(
     GROUP_M: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid = tl.program_id(0)
@@ -474,7 +477,7 @@ def _mm_persistent_kernel(
         else:
             _store_tile(c_ptr, bias_ptr, acc, batch, off_m, off_n, M, N, stride_cb, stride_cm,
                         stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
-    pdl_trigger(PDL)
+    pdl_trigger(PDL_TRIGGER)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -697,6 +700,7 @@ def _launch(
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(a),
     )
+    common["PDL_TRIGGER"] = common["PDL"] and _PDL_GEMM_TRIGGERS
     # Pipelining depth changes no bits; where a tile's stages do not fit in shared memory
     # (e.g. 128x256 with an fp32 epilogue) run it with fewer, and remember that.
     stages = _STAGE_CAP.get(_stage_key(cfg, out.dtype), cfg.num_stages)
@@ -725,7 +729,7 @@ def _prefetch_lines(cfg: MatmulConfig, b: torch.Tensor, m: int, chunk: int, line
                     pdl: bool) -> int:
     """Lines of each weight row a decode CTA prefetches before its PDL wait (a power of two,
     within its chunk): only for one K-contiguous weight at decode sizes."""
-    if not pdl or m > 64 or b.shape[0] != 1 or b.stride(1) != 1:
+    if not pdl or not _PREFETCH_BYTES or m > 64 or b.shape[0] != 1 or b.stride(1) != 1:
         return 0
     lines = min(_PREFETCH_BYTES // (cfg.block_n * _LINE_BYTES), chunk // line)
     return 1 << (lines.bit_length() - 1) if lines > 0 else 0
