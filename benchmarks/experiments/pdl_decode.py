@@ -27,23 +27,23 @@ from detlora.study import profile_engine as pe
 PLAN = replace(be.BenchPlan(), throughput_batches=(1, 64))
 
 
-# (name, PDL on, matmul triggers after its K loop, prefetch bytes per decode CTA)
+# (name, PDL on, matmul launched with PDL, matmul triggers after its K loop, prefetch bytes
+# per decode CTA)
 VARIANTS = {
-    "batch_invariant": [("off", False, True, 65536), ("trigger+prefetch64k", True, True, 65536),
-                        ("no_trigger+prefetch64k", True, False, 65536),
-                        ("no_trigger", True, False, 0),
-                        ("no_trigger+prefetch192k", True, False, 196608)],
-    "run_to_run": [("off", False, True, 65536), ("on", True, True, 65536)],
+    "batch_invariant": [("off", False, True, True, 65536),
+                        ("small_kernels_only", True, False, True, 0),
+                        ("trigger", True, True, True, 0),
+                        ("trigger+prefetch16k", True, True, True, 16384)],
 }
 
 
 def measure(root: Path, w: "be._Workload", mode: str, variant: tuple) -> tuple[dict, list]:
-    name, on, trigger, prefetch = variant
+    name, on, gemms, trigger, prefetch = variant
     os.environ["DETLORA_PDL"] = "1" if on else "0"
-    mm._PDL_GEMM_TRIGGERS, mm._PREFETCH_BYTES = trigger, prefetch
+    mm._PDL_GEMMS, mm._PDL_GEMM_TRIGGERS, mm._PREFETCH_BYTES = gemms, trigger, prefetch
     llm = be._engine(root / "model", mode, PLAN)
-    row: dict = {"mode": mode, "variant": name, "pdl": on, "matmul_triggers": trigger,
-                 "prefetch_bytes": prefetch}
+    row: dict = {"mode": mode, "variant": name, "pdl": on, "matmul_pdl": gemms,
+                 "matmul_triggers": trigger, "prefetch_bytes": prefetch}
     for t in be._throughput(llm, mode, w, print):
         row[f"b{t['batch']}"] = {k: t[k] for k in ("output_tok_per_s", "tpot_ms")}
     graphs = llm.engine.runner.graphs

@@ -63,6 +63,7 @@ _MAX_CHUNKS = 16
 
 _BIAS_NONE, _BIAS_ROW, _BIAS_FULL = 0, 1, 2
 _PREFETCH_BYTES = 64 * 1024  # weight bytes a decode CTA asks L2 for before its PDL wait
+_PDL_GEMMS = True  # launch with PDL (ops/pdl.py)
 _PDL_GEMM_TRIGGERS = True  # let the next kernel launch once the K loops are done
 _LINE_BYTES = 128
 
@@ -698,7 +699,8 @@ def _launch(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=ks.num_chunks > 1, TMA=use_tma,
         B_KMAJOR=b_kmajor, EVEN_K=k % bk == 0, BIAS=bias_mode,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_kwargs(a if _PDL_GEMMS else out.new_empty(0, device="cpu")),
     )
     common["PDL_TRIGGER"] = common["PDL"] and _PDL_GEMM_TRIGGERS
     # Pipelining depth changes no bits; where a tile's stages do not fit in shared memory
