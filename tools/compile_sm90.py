@@ -65,7 +65,7 @@ def ptxas_spills(ptx: str) -> int:
 def ptx_summary(ptx: str) -> dict[str, int]:
     pattern = r"(wgmma\.mma_async|mma\.sync|cp\.async\.cg|cp\.async\.bulk|ld\.global\.v4|" \
               r"ld\.global\.cg|atom\.global[\.\w]*|(?<![\w.])red\.global[\.\w]*|bar\.sync|" \
-              r"griddepcontrol\.\w+|prefetch\.global\.L2[:\w]*)"
+              r"griddepcontrol\.\w+)"
     return dict(Counter(re.findall(pattern, ptx)))
 
 

@@ -1,12 +1,15 @@
 """Programmatic dependent launch (ops/pdl.py) on the engine's decode: on against off.
 
-For batch_invariant (and run_to_run) on the engine benchmark's model (Llama-3.2-3B shape,
-random bf16 weights, rank-16 adapter on all seven projections), with ``DETLORA_PDL=0`` and with
-PDL in variants of the matmul's part (whether it lets the next kernel launch after its K loop,
-and how many weight bytes each decode CTA prefetches into L2 before its wait): batch-1 TPOT and
-batch-64 tok/s (as bench_engine measures them), one decode graph replay at batch 1 and 64 (CUDA
-events, median), the batch-1 replay's kernel timeline (idle time on the main stream), and the
-64 prompts' tokens and logprobs compared with those of plain launches.
+For batch_invariant and run_to_run on the engine benchmark's model (Llama-3.2-3B shape, random
+bf16 weights, rank-16 adapter on all seven projections), with ``DETLORA_PDL=0`` and with PDL:
+batch-1 TPOT and batch-64 tok/s (as bench_engine measures them), one decode graph replay at
+batch 1 and 64 (CUDA events, median), the batch-1 replay's kernel timeline (idle time on the
+main stream), and the 64 prompts' tokens and logprobs compared with those of plain launches.
+
+Earlier rounds also launched the batch-invariant matmul with PDL, in variants (triggering after
+its K loop or not, prefetching 16-192 KB of its weight tile into L2 before its wait or not):
+``pdl_decode_variants_1.json`` (at ba124ca) and ``_2.json`` (at 01b188b). Each slowed the
+batch-1 replay, so the matmul launches plainly.
 
     PYTHONPATH=src python benchmarks/experiments/pdl_decode.py OUT.json
 """
@@ -20,30 +23,17 @@ from pathlib import Path
 
 from detlora.cli import results_meta
 from detlora.lora.request import LoRARequest
-from detlora.ops import matmul as mm
 from detlora.study import bench_engine as be
 from detlora.study import profile_engine as pe
 
 PLAN = replace(be.BenchPlan(), throughput_batches=(1, 64))
+MODES = ("batch_invariant", "run_to_run")
 
 
-# (name, PDL on, matmul launched with PDL, matmul triggers after its K loop, prefetch bytes
-# per decode CTA)
-VARIANTS = {
-    "batch_invariant": [("off", False, True, True, 65536),
-                        ("small_kernels_only", True, False, True, 0),
-                        ("trigger", True, True, True, 0),
-                        ("trigger+prefetch16k", True, True, True, 16384)],
-}
-
-
-def measure(root: Path, w: "be._Workload", mode: str, variant: tuple) -> tuple[dict, list]:
-    name, on, gemms, trigger, prefetch = variant
+def measure(root: Path, w: "be._Workload", mode: str, on: bool) -> tuple[dict, list]:
     os.environ["DETLORA_PDL"] = "1" if on else "0"
-    mm._PDL_GEMMS, mm._PDL_GEMM_TRIGGERS, mm._PREFETCH_BYTES = gemms, trigger, prefetch
     llm = be._engine(root / "model", mode, PLAN)
-    row: dict = {"mode": mode, "variant": name, "pdl": on, "matmul_pdl": gemms,
-                 "matmul_triggers": trigger, "prefetch_bytes": prefetch}
+    row: dict = {"mode": mode, "pdl": on}
     for t in be._throughput(llm, mode, w, print):
         row[f"b{t['batch']}"] = {k: t[k] for k in ("output_tok_per_s", "tpot_ms")}
     graphs = llm.engine.runner.graphs
@@ -68,15 +58,14 @@ def main(out_path: str) -> None:
             be.write_adapter(root / f"adapter{k}", PLAN.shape, seed=10 + k)
         loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
         w = be._Workload(PLAN, loras)
-        for mode, variants in VARIANTS.items():
+        for mode in MODES:
             got = {}
-            for v in variants:
-                row, got[v[0]] = measure(root, w, mode, v)
+            for on in (False, True):
+                row, got[on] = measure(root, w, mode, on)
                 rows.append(row)
-            for name in list(got)[1:]:
-                bits.append({"mode": mode, "variant": name, "prompts": PLAN.prompts,
-                             "differing": be._count_diff(got[name], got["off"])})
-                print(bits[-1], flush=True)
+            bits.append({"mode": mode, "prompts": PLAN.prompts,
+                         "differing": be._count_diff(got[True], got[False])})
+            print(bits[-1], flush=True)
     result = {"meta": results_meta("python benchmarks/experiments/pdl_decode.py OUT.json"),
               "rows": rows, "bits_pdl_vs_plain": bits}
     Path(out_path).write_text(json.dumps(result, indent=1))

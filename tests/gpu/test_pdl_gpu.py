@@ -1,7 +1,8 @@
 """Programmatic dependent launch (ops/pdl.py) on the GPU: a decode-like chain of kernels that
 each read what the one before wrote gives, launched with PDL, the bits of plain launches,
 eager and in a replayed CUDA graph. A kernel that read before its ``griddepcontrol.wait``
-would read stale activations here and differ."""
+would read stale activations here and differ. Norms follow norms (PDL after PDL) and GEMMs
+(PDL after a plain launch), and GEMMs follow norms (plain after PDL)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def _weights():
 
 
 def _chain(x: torch.Tensor, layers) -> torch.Tensor:
-    """Per layer: norm -> wide GEMM (unsplit, prefetching) -> GEMM back -> add+norm -> narrow
-    GEMM (split K over CTAs, counters) -> GEMM back; every kernel reads its predecessor."""
+    """Per layer: norm -> norm -> wide GEMM -> GEMM back -> add+norm -> narrow GEMM (split K
+    over CTAs, counters) -> GEMM back; every kernel reads its predecessor."""
     residual = x.clone()
     h = rn.rms_norm(x, layers[0]["norm"], 1e-5)
     for w in layers:
+        h = rn.rms_norm(h, w["norm"], 1e-5)
         h = mm.linear(mm.linear(h, w["up"]), w["down"])
         h, residual = rn.fused_add_rms_norm(h, residual, w["norm"], 1e-5)
         h = mm.linear(mm.linear(h, w["side"]), w["back"])

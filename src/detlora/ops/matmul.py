@@ -46,7 +46,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from detlora.ops._runtime import cdiv
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.matmul_workspace import MatmulWorkspace, default_workspace
-from detlora.ops.pdl import pdl_kwargs, pdl_trigger, pdl_wait, prefetch_l2
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -62,10 +61,6 @@ _MIN_CHUNK_BLOCKS = 4  # a chunk is at least this many BLOCK_K blocks (amortises
 _MAX_CHUNKS = 16
 
 _BIAS_NONE, _BIAS_ROW, _BIAS_FULL = 0, 1, 2
-_PREFETCH_BYTES = 64 * 1024  # weight bytes a decode CTA asks L2 for before its PDL wait
-_PDL_GEMMS = True  # launch with PDL (ops/pdl.py)
-_PDL_GEMM_TRIGGERS = True  # let the next kernel launch once the K loops are done
-_LINE_BYTES = 128
 
 
 # ----------------------------------------------------------------------------- reference
@@ -336,15 +331,6 @@ def _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
 
 
 @triton.jit
-def _prefetch_weight_head(b_ptr, off_n, k0, N, K, stride_bn, BLOCK_N: tl.constexpr,
-                          LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """L2 prefetch of LINES lines of each of the tile's weight rows (K contiguous) from k0."""
-    rows = ((off_n + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
-    ks = tl.minimum(k0 + tl.arange(0, LINES) * LINE_ELEMS, K - 1)
-    prefetch_l2(b_ptr + rows[:, None] * stride_bn + ks[None, :])
-
-
-@triton.jit
 def _store_tile(c_ptr, bias_ptr, y, batch, off_m, off_n, M, N, stride_cb, stride_cm, stride_cn,
                 stride_biasm, stride_biasn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BIAS: tl.constexpr):
@@ -369,15 +355,13 @@ def _store_tile(c_ptr, bias_ptr, y, batch, off_m, off_n, M, N, stride_cb, stride
 # divisible by 16) keeps one compiled kernel per tiling instead of several.
 @triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks"])
 def _mm_split_kernel(
-    a, b, c_ptr, bias_ptr, scratch_ptr, counter_ptr, b_ptr,
+    a, b, c_ptr, bias_ptr, scratch_ptr, counter_ptr,
     M, N, K, num_chunks, chunk_blocks,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     EVEN_K: tl.constexpr, BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
     # scheduled together and the last one finds its partners' partials in L2.
@@ -399,18 +383,11 @@ def _mm_split_kernel(
 
     lo = chunk * chunk_blocks
     hi = tl.minimum(lo + chunk_blocks, tl.cdiv(K, BLOCK_K))
-    if PREFETCH_LINES > 0:
-        # The weight does not change within a step: stream the head of this CTA's slice into
-        # L2 while the kernels before this one finish (ops/pdl.py).
-        _prefetch_weight_head(b_ptr, off_n, lo * BLOCK_K, N, K, stride_bn, BLOCK_N,
-                              PREFETCH_LINES, LINE_ELEMS)
-    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(lo, hi):
         a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
                                 BLOCK_K, TMA, B_KMAJOR, EVEN_K)
         acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
-    pdl_trigger(PDL_TRIGGER)
 
     if MULTI_CHUNK:
         # Scratch holds [tile, chunk, BLOCK_M, BLOCK_N] partials, tile-local and contiguous.
@@ -442,10 +419,8 @@ def _mm_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, PDL: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -478,7 +453,6 @@ def _mm_persistent_kernel(
         else:
             _store_tile(c_ptr, bias_ptr, acc, batch, off_m, off_n, M, N, stride_cb, stride_cm,
                         stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
-    pdl_trigger(PDL_TRIGGER)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -700,17 +674,14 @@ def _launch(
         B_KMAJOR=b_kmajor, EVEN_K=k % bk == 0, BIAS=bias_mode,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_kwargs(a if _PDL_GEMMS else out.new_empty(0, device="cpu")),
     )
-    common["PDL_TRIGGER"] = common["PDL"] and _PDL_GEMM_TRIGGERS
     # Pipelining depth changes no bits; where a tile's stages do not fit in shared memory
     # (e.g. 128x256 with an fp32 epilogue) run it with fewer, and remember that.
     stages = _STAGE_CAP.get(_stage_key(cfg, out.dtype), cfg.num_stages)
     while True:
         common["num_stages"] = stages
         try:
-            _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, b, batch, m, n, k, common,
-                           workspace)
+            _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace)
             return
         except OutOfResources:
             if stages <= 1:
@@ -727,17 +698,7 @@ def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
             cfg.split_ctas, cfg.tma, out_dtype)
 
 
-def _prefetch_lines(cfg: MatmulConfig, b: torch.Tensor, m: int, chunk: int, line: int,
-                    pdl: bool) -> int:
-    """Lines of each weight row a decode CTA prefetches before its PDL wait (a power of two,
-    within its chunk): only for one K-contiguous weight at decode sizes."""
-    if not pdl or not _PREFETCH_BYTES or m > 64 or b.shape[0] != 1 or b.stride(1) != 1:
-        return 0
-    lines = min(_PREFETCH_BYTES // (cfg.block_n * _LINE_BYTES), chunk // line)
-    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
-
-
-def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, b, batch, m, n, k, common, workspace):
+def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace):
     ks = cfg.k_split
     bm, bn = cfg.block_m, cfg.block_n
     # Chunk length in loads (a load may span several of k_split's blocks).
@@ -752,13 +713,9 @@ def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, b, batch, m, n, k, commo
             counters = workspace.counters(counter_numel)
         else:
             scratch = counters = out  # never touched: one chunk stores directly
-        line = _LINE_BYTES // a.element_size()
         _mm_split_kernel[(tiles * ks.num_chunks,)](
-            a_arg, b_arg, out, bias_arg, scratch, counters, b,
+            a_arg, b_arg, out, bias_arg, scratch, counters,
             m, n, k, ks.num_chunks, chunk_loads, **common,
-            PREFETCH_LINES=_prefetch_lines(cfg, b, m, chunk_loads * cfg.block_k, line,
-                                           common["PDL"]),
-            LINE_ELEMS=line,
         )
     else:
         programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)

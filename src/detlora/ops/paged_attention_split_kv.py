@@ -27,6 +27,7 @@ from detlora.ops.paged_attention import (
     tile_config,
     tile_slots,
 )
+from detlora.ops.pdl import pdl_kwargs, pdl_start
 
 _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each
 _MAX_SPLITS = 128
@@ -72,7 +73,9 @@ def _split_kv_kernel(
     BLOCK_B: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq, q_tile = find_tile(pid, query_start_loc_ptr, num_seqs, tiles_per_seq,
@@ -145,7 +148,9 @@ def _combine_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -236,13 +241,14 @@ def paged_attention_split_kv(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
     if splits > 1:
         _combine_kernel[(problem.num_tokens, problem.num_q_heads)](
             part_acc, part_ml, out, splits, problem.num_tokens, problem.num_q_heads,
             out.stride(0), out.stride(1),
             HEAD_DIM=problem.head_dim, SPLITS_P2=next_power_of_2(splits), num_warps=4,
+            **pdl_kwargs(q),
         )
     return out
 

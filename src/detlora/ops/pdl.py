@@ -1,23 +1,24 @@
-"""Programmatic dependent launch (PDL): let a kernel start while the one before it finishes.
+"""Programmatic dependent launch (PDL): let a small kernel start while the one before it ends.
 
 Semantics:
     Changes when a kernel starts, never what it computes: the bits are those of plain launches.
 
-A batch-1 decode step is ~250 kernels, most of them a few microseconds long, and each waits
-for the previous one to drain before its first CTA is scheduled. On sm_90 a kernel launched
-with ``launch_pdl=True`` may be scheduled as soon as every CTA of the kernel before it has
-run ``griddepcontrol.launch_dependents`` (``pdl_trigger``); it must then run
-``griddepcontrol.wait`` (``pdl_wait``) before it reads anything the earlier kernels wrote,
-and before it writes anything they may still read. ``wait`` returns once the previous kernel
-has completed and its writes are visible.
+A decode step is ~250 kernels, most of them a few microseconds long, and each waits for the
+previous one to drain before its first CTA is scheduled. On sm_90 a kernel launched with
+``launch_pdl=True`` may be scheduled as soon as every CTA of the kernel before it has run
+``griddepcontrol.launch_dependents``; it must then run ``griddepcontrol.wait`` before it reads
+anything earlier kernels wrote, and before it writes anything they may still read. ``wait``
+returns once the previous kernel has completed and its writes are visible. Every PDL kernel
+here opens with ``pdl_start``: trigger, then wait, unconditionally and before any load or
+store, so "completed" is transitive along the chain.
 
-Rules every PDL kernel here follows:
-  * it calls ``pdl_wait`` unconditionally, before its first read of a tensor an earlier
-    kernel writes and before its first store, so "completed" is transitive along the chain;
-  * before the wait it only reads weights (constant while a step runs): the matmul prefetches
-    the head of its weight tile into L2 there, which is what the early start is for;
-  * small kernels trigger first thing, the matmul after its K loop, so at most the next small
-    kernel and the matmul after it are waiting on SMs at any time.
+Which kernels (benchmarks/results/pdl_decode*.json, engine model on the H200): RMSNorm, the
+LoRA expands and both attention kernels (with the split-KV combine and the KV write). The
+batch-invariant matmul launches plainly: with PDL
+(waiting at its start, triggering after its K loop, with or without an L2 prefetch of its
+weight tile before the wait) the main stream's idle time fell from 135 to 8 us per batch-1
+replay, but the replay grew from 2,996 to 3,136-3,432 us. With the small kernels alone the
+run_to_run batch-1 replay fell from 3,042 to 2,934 us, and batch_invariant's stayed within 1%.
 
 ``pdl_launch(tensor)`` is False off sm_90+, in the interpreter, and with ``DETLORA_PDL=0``
 (for measuring the difference).
@@ -55,32 +56,12 @@ def pdl_kwargs(tensor: torch.Tensor) -> dict[str, bool]:
 
 
 @triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """Allow the next kernel to be scheduled (it still waits in ``pdl_wait``)."""
+def pdl_start(PDL: tl.constexpr):
+    """A PDL kernel's opening: let the next kernel be scheduled, then block until the previous
+    one has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Block until the previous kernel has completed and its writes are visible."""
-    if PDL:
         tl.extra.cuda.gdc_wait()
 
 
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """A small kernel's opening: let the next one launch, then wait for the previous one."""
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (kept at eviction priority "last");
-    nothing is loaded into registers."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-__all__ = ["pdl_kwargs", "pdl_launch", "pdl_start", "pdl_trigger", "pdl_wait", "prefetch_l2"]
+__all__ = ["pdl_kwargs", "pdl_launch", "pdl_start"]
