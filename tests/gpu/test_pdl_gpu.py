@@ -1,8 +1,8 @@
 """Programmatic dependent launch (ops/pdl.py) on the GPU: a decode-like chain of kernels that
-each read what the one before wrote gives, launched with PDL, the bits of plain launches,
-eager and in a replayed CUDA graph. A kernel that read before its ``griddepcontrol.wait``
-would read stale activations here and differ. Norms follow norms (PDL after PDL) and GEMMs
-(PDL after a plain launch), and GEMMs follow norms (plain after PDL)."""
+each read what the one before wrote gives, launched with PDL eagerly and captured into a CUDA
+graph replayed on new inputs, the bits of plain launches. A kernel that read before its
+``griddepcontrol.wait`` would read stale activations here and differ. Norms follow norms (PDL
+after PDL) and GEMMs (PDL after a plain launch), and GEMMs follow norms (plain after PDL)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from detlora.ops import matmul as mm
 from detlora.ops import rms_norm as rn
-from detlora.ops.pdl import pdl_launch
+from detlora.ops.pdl import pdl_launch, pdl_launches
 
 HIDDEN, WIDE, NARROW, LAYERS = 1024, 3072, 512, 6
 
@@ -42,21 +42,23 @@ def _chain(x: torch.Tensor, layers) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_pdl_chain_gives_the_bits_of_plain_launches(monkeypatch, m):
-    assert pdl_launch(torch.empty(1, device="cuda")) == (
-        torch.cuda.get_device_capability()[0] >= 9)
+    probe = torch.empty(1, device="cuda")
+    assert not pdl_launch(probe)  # plain launches outside pdl_launches
     layers = _weights()
     x = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
     monkeypatch.setenv("DETLORA_PDL", "0")
     plain = _chain(x, layers)
     monkeypatch.setenv("DETLORA_PDL", "1")
-    for _ in range(3):
-        assert torch.equal(_chain(x, layers), plain)
     static_x = x.clone()
-    _chain(static_x, layers)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(static_x, layers)
+    with pdl_launches():
+        assert pdl_launch(probe) == (torch.cuda.get_device_capability()[0] >= 9)
+        eager = _chain(static_x, layers)  # also compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(static_x, layers)
+    assert not pdl_launch(probe)
+    assert torch.equal(eager, plain)
     for k in range(5):
         # New inputs each replay: a stale read would show as a difference.
         static_x.copy_(x if k % 2 == 0 else x.flip(0))

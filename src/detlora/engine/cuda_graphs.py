@@ -29,6 +29,7 @@ from detlora.engine.copy_fence import CopyFence
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
+from detlora.ops.pdl import pdl_launches
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -134,13 +135,15 @@ class DecodeGraphs:
                 self._stage_groups([-1] * b, b)
                 self._i32.copy_(self._h32)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.forward(self._batch(b))  # warm-up: compiles kernels, grows workspaces
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.forward(self._batch(b))
+            # Decode kernels are a few microseconds each: PDL (ops/pdl.py) hides the gaps.
+            with pdl_launches():
+                with torch.cuda.stream(stream):
+                    self.forward(self._batch(b))  # warm-up: compiles kernels, grows workspaces
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = self.forward(self._batch(b))
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
 

@@ -20,14 +20,21 @@ weight tile before the wait) the main stream's idle time fell from 135 to 8 us p
 replay, but the replay grew from 2,996 to 3,136-3,432 us. With the small kernels alone the
 run_to_run batch-1 replay fell from 3,042 to 2,934 us, and batch_invariant's stayed within 1%.
 
-``pdl_launch(tensor)`` is False off sm_90+, in the interpreter, and with ``DETLORA_PDL=0``
-(for measuring the difference).
+Only the engine's decode graphs launch with PDL (``pdl_launches``); eager steps (prefill) stay
+plain. In the engine benchmark at 905e743, with PDL on every launch, ``fast``'s prefill ran at
+59.7k tok/s at batch 64 against 81-85k in every earlier run (decode was unchanged or faster),
+and eager steps are long enough that the gaps PDL removes do not count there.
+
+``pdl_launch(tensor)`` is False off sm_90+, in the interpreter, outside ``pdl_launches``, and
+with ``DETLORA_PDL=0`` (for measuring the difference).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -41,9 +48,25 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_scopes = 0  # open ``pdl_launches`` blocks
+
+
+@contextlib.contextmanager
+def pdl_launches() -> Iterator[None]:
+    """Kernels launched inside this block (on sm_90+) use PDL. The engine opens it around its
+    decode graphs' warm-up and capture, so that both compile and run the same variant."""
+    global _scopes
+    _scopes += 1
+    try:
+        yield
+    finally:
+        _scopes -= 1
+
+
 def pdl_launch(tensor: torch.Tensor) -> bool:
-    """Whether kernels on ``tensor``'s device launch with PDL."""
-    if not tensor.is_cuda or interpreting() or os.environ.get("DETLORA_PDL", "1") == "0":
+    """Whether a kernel on ``tensor``'s device launches with PDL (inside ``pdl_launches``)."""
+    if not _scopes or not tensor.is_cuda or interpreting() \
+            or os.environ.get("DETLORA_PDL", "1") == "0":
         return False
     index = tensor.device.index
     return _capable(index if index is not None else torch.cuda.current_device())
@@ -64,4 +87,4 @@ def pdl_start(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["pdl_kwargs", "pdl_launch", "pdl_start"]
+__all__ = ["pdl_kwargs", "pdl_launch", "pdl_launches", "pdl_start"]
