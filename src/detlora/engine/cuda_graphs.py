@@ -29,7 +29,6 @@ from detlora.engine.copy_fence import CopyFence
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
-from detlora.ops.pdl import pdl_launches
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -127,6 +126,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
+        from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
+
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
