@@ -129,8 +129,10 @@ def engine(path: Path) -> list[str]:
              f"projections** ({_meta_line(d['meta'])})", "",
              f"Roofline: {d['roofline']['weight_bytes'] / 1e9:.2f} GB of weights over "
              f"{d['roofline']['copy_TBps']:.2f} TB/s copy = "
-             f"{d['roofline']['batch1_tpot_floor_ms']:.2f} ms per token at batch 1.", "",
-             "| mode | batch | output tok/s | TPOT ms | prefill tok/s |", "|---|---|---|---|---|"]
+             f"{d['roofline']['batch1_tpot_floor_ms']:.2f} ms per token at batch 1.", ""]
+    if d["meta"].get("note"):
+        lines += [f"Note: {d['meta']['note']}", ""]
+    lines += ["| mode | batch | output tok/s | TPOT ms | prefill tok/s |", "|---|---|---|---|---|"]
     for r in d["throughput"]:
         lines.append(f"| {r['mode']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
                      f"{r['tpot_ms']:.2f} | {r['prefill_tok_per_s']:.0f} |")
