@@ -123,6 +123,8 @@ BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
+FOLD_GROUPS = 2  # split-KV fold: groups of eight partial loads in flight at once (1 or 2)
+FLATTEN_SEGMENTS = True  # one flattened loop over a CTA's segments and their blocks
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -281,38 +283,68 @@ def attend_blocks(
     in the engine's batch-64 decode (contexts of about 128).
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     if PREFETCH_PAGES:
         next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
     for blk in range(blk_lo, blk_hi):
-        kpos = blk * BLOCK_N + offs_n
-        kv_ok = kpos < ctx
         if PREFETCH_PAGES:
-            page = next_page.to(tl.int64)
-            next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
+            page = next_page
+            next_page = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx, max_blocks,
+                                     PAGE)
         else:
-            page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
-        # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
-        kv_ok = kv_ok & (page >= 0) & (page < num_pages)
-        slot = kpos % PAGE
-        k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        # Causal: a row sees keys up to its own position (and so never past the context).
-        s = tl.where(kpos[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # A block that holds no visible key leaves m unchanged: alpha is exactly 1, not exp2(0).
-        alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
-        p = tl.exp2(s - m_use[:, None])
-        den = tl.fma(den, alpha, tl.sum(p, axis=1))
-        # Rows past the context are zeros, so p = 0 there multiplies finite values only.
-        v = tl.load(v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m = m_new
+            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+        m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
+                                   num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
+                                   stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
     return m, den, acc
+
+
+@triton.jit
+def attend_block(
+    m,
+    den,
+    acc,
+    q,
+    k_head_ptr,
+    v_head_ptr,
+    page,  # [BLOCK_N] page of each key of the block (``_block_pages``)
+    blk,
+    ctx,
+    pos,
+    num_pages,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax update of (m, den, acc) with key block ``blk``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    page = page.to(tl.int64)
+    # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
+    kv_ok = (kpos < ctx) & (page >= 0) & (page < num_pages)
+    slot = kpos % PAGE
+    k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    # Causal: a row sees keys up to its own position (and so never past the context).
+    s = tl.where(kpos[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    # A block that holds no visible key leaves m unchanged: alpha is exactly 1, not exp2(0).
+    alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_use))
+    p = tl.exp2(s - m_use[:, None])
+    den = tl.fma(den, alpha, tl.sum(p, axis=1))
+    # Rows past the context are zeros, so p = 0 there multiplies finite values only.
+    v = tl.load(v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return m_new, den, acc
 
 
 @triton.jit
@@ -345,6 +377,49 @@ def _load_partial(acc_ptr, ml_ptr, seg, n_segs, row_base, offs_d, ok, part_strid
     a = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
                 other=0.0, cache_modifier=".cg")
     return m, den, a
+
+
+@triton.jit
+def _store_partial(acc_ptr, ml_ptr, seg, part_stride, part_row, m, den, acc, row_ok, offs_d,
+                   HEAD_DIM: tl.constexpr):
+    """Segment ``seg``'s (max, sum, acc) of the tile's live rows, for the split-KV fold."""
+    idx = (tl.full((), 0, tl.int64) + seg) * part_stride + part_row
+    tl.store(ml_ptr + 2 * idx, m, mask=row_ok)
+    tl.store(ml_ptr + 2 * idx + 1, den, mask=row_ok)
+    tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _load_partials(acc_ptr, ml_ptr, s0, n_segs, row_base, offs_d, ok, part_stride,
+                   HEAD_DIM: tl.constexpr):
+    """Segments s0..s0+7's partials, a tuple of eight (m, den, acc): their loads go out
+    together, before any fold waits on them."""
+    return (
+        _load_partial(acc_ptr, ml_ptr, s0, n_segs, row_base, offs_d, ok, part_stride, HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 1, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 2, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 3, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 4, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 5, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 6, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+        _load_partial(acc_ptr, ml_ptr, s0 + 7, n_segs, row_base, offs_d, ok, part_stride,
+                      HEAD_DIM),
+    )
+
+
+@triton.jit
+def _fold_partials(tot_m, tot_den, tot_a, parts):
+    """Fold the eight partials of ``_load_partials`` into the running total, in order."""
+    for j in tl.static_range(8):
+        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, parts[j][0], parts[j][1],
+                                       parts[j][2])
+    return tot_m, tot_den, tot_a
 
 
 @triton.jit
@@ -388,6 +463,8 @@ def _paged_attention_kernel(
     BLOCK_B: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
+    FOLD_GROUPS: tl.constexpr,
+    FLATTEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -426,40 +503,79 @@ def _paged_attention_kernel(
     part_row = tok * num_q_heads + head  # partial index within a segment
     part_stride = num_tokens * num_q_heads
 
-    if SPLIT:
-        seg_first = tl.program_id(2)
-        seg_step = tl.num_programs(2)
-    else:
-        seg_first = 0
-        seg_step = 1
     big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     big_den = tl.zeros((BLOCK_M,), dtype=tl.float32)
     big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for seg in range(seg_first, n_segs, seg_step):
+    if FLATTEN:
+        # One pipelined loop over the blocks of this CTA's run of consecutive segments: at
+        # each segment end the (m, den, acc) of the segment is stored (split) or folded (not),
+        # and restarts, so the K/V pipeline never drains between segments. Same arithmetic.
+        if SPLIT:
+            per_cta = tl.cdiv(n_segs, tl.num_programs(2))
+            seg_lo = tl.program_id(2) * per_cta
+            seg_hi = tl.minimum(seg_lo + per_cta, n_segs)
+        else:
+            seg_lo = 0
+            seg_hi = n_segs
+        mine = seg_hi - seg_lo
+        blk_lo = seg_lo * seg_blocks
+        blk_hi = tl.minimum(seg_hi * seg_blocks, n_blocks)
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         den = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        blk_lo = seg * seg_blocks
-        blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
-        m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, blk_lo,
-                                    blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
-                                    stride_kb, stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                    HEAD_DIM, DOT_PRECISION, SPLIT)
+        offs_n = tl.arange(0, BLOCK_N)
+        if SPLIT:  # pages a block ahead (see attend_blocks)
+            next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+        for blk in range(blk_lo, blk_hi):
+            if SPLIT:
+                page = next_page
+                next_page = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx,
+                                         max_blocks, PAGE)
+            else:
+                page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+            m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
+                                       pos, num_pages, qk_scale, stride_kb, stride_ks,
+                                       stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
+                                       DOT_PRECISION)
+            if ((blk + 1) % seg_blocks == 0) | (blk + 1 == blk_hi):
+                if SPLIT:
+                    _store_partial(part_acc_ptr, part_ml_ptr, blk // seg_blocks, part_stride,
+                                   part_row, m, den, acc, row_ok, offs_d, HEAD_DIM)
+                else:
+                    big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    else:
+        # A CTA takes every num_programs(2)-th segment, each in its own block loop.
         if SPLIT:
-            idx = (tl.full((), 0, tl.int64) + seg) * part_stride + part_row
-            tl.store(part_ml_ptr + 2 * idx, m, mask=row_ok)
-            tl.store(part_ml_ptr + 2 * idx + 1, den, mask=row_ok)
-            tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                     mask=row_ok[:, None])
+            seg_first = tl.program_id(2)
+            seg_step = tl.num_programs(2)
         else:
-            big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
+            seg_first = 0
+            seg_step = 1
+        mine = tl.cdiv(n_segs - seg_first, seg_step)
+        for seg in range(seg_first, n_segs, seg_step):
+            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            blk_lo = seg * seg_blocks
+            blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
+            m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr,
+                                        blk_lo, blk_hi, ctx, pos, max_blocks, num_pages,
+                                        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT)
+            if SPLIT:
+                _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den,
+                               acc, row_ok, offs_d, HEAD_DIM)
+            else:
+                big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
 
     if not SPLIT:
         out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
         tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
     else:
-        mine = tl.cdiv(n_segs - seg_first, seg_step)
         if mine > 0:
             # Every partial of this CTA is written before the counter moves (CTA barrier, then
             # a release at GPU scope); the CTA that completes the count acquires and folds.
@@ -479,33 +595,18 @@ def _paged_attention_kernel(
                     tot_m = tl.full((MERGE_ROWS,), float("-inf"), dtype=tl.float32)
                     tot_den = tl.zeros((MERGE_ROWS,), dtype=tl.float32)
                     tot_a = tl.zeros((MERGE_ROWS, HEAD_DIM), dtype=tl.float32)
-                    # Eight segments' loads in flight, then eight folds in order (a fold past
-                    # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
-                    for s0 in range(0, n_segs, 8):
-                        m0, d0, a0 = _load_partial(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
-                                                   offs_d, ok, part_stride, HEAD_DIM)
-                        m1, d1, a1 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 1, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m2, d2, a2 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 2, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m3, d3, a3 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 3, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m4, d4, a4 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 4, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m5, d5, a5 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 5, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m6, d6, a6 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 6, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        m7, d7, a7 = _load_partial(part_acc_ptr, part_ml_ptr, s0 + 7, n_segs,
-                                                   base, offs_d, ok, part_stride, HEAD_DIM)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m0, d0, a0)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m1, d1, a1)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m2, d2, a2)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m3, d3, a3)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m4, d4, a4)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m5, d5, a5)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m6, d6, a6)
-                        tot_m, tot_den, tot_a = _merge(tot_m, tot_den, tot_a, m7, d7, a7)
+                    # FOLD_GROUPS x 8 segments' loads in flight, then their folds in order (a
+                    # fold past n_segs is an exact no-op): the fold waits on L2 once per batch.
+                    for s0 in range(0, n_segs, 8 * FOLD_GROUPS):
+                        first = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
+                                               offs_d, ok, part_stride, HEAD_DIM)
+                        if FOLD_GROUPS == 2:
+                            second = _load_partials(part_acc_ptr, part_ml_ptr, s0 + 8, n_segs,
+                                                    base, offs_d, ok, part_stride, HEAD_DIM)
+                        tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a, first)
+                        if FOLD_GROUPS == 2:
+                            tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a,
+                                                                   second)
                     out_ptrs = out_ptr + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
                     tl.store(out_ptrs, _finish(tot_a, tot_den).to(out_ptr.dtype.element_ty),
                              mask=ok[:, None])
@@ -831,6 +932,7 @@ def paged_attention(
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
+        FOLD_GROUPS=FOLD_GROUPS, FLATTEN=FLATTEN_SEGMENTS,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
