@@ -4,7 +4,8 @@
 #   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
-#                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode] ...
+#                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
+#                     [attention-flat] [rms-warps] [attention-tests] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,14 @@ indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
                            "$OUT/matmul_decode_tiles.json" || status=1 ;;
     attention-fold) python3 benchmarks/experiments/attention_fold_segments.py \
                       "$OUT/attention_fold_segments.json" || status=1 ;;
+    attention-flat) python3 benchmarks/experiments/attention_flat_segments.py \
+                      "$OUT/attention_flat_segments.json" || status=1 ;;
+    rms-warps) python3 -c "from detlora.study.bench_rowwise import rms_norm_sweep; \
+from detlora.cli import results_meta; import json, sys; json.dump({'meta': results_meta( \
+'benchmarks/gpu.sh rms-warps'), 'rows': rms_norm_sweep((1024, 3072), (1024, 4096), (1, 2), \
+(4, 8, 16, 32))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/rms_norm_warps.json" || status=1 ;;
+    attention-tests) python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py -p no:cacheprovider \
+                       2>&1 | tee "$OUT/attention_tests.log" | tail -n 15 || status=1 ;;
     pdl-decode) python3 benchmarks/experiments/pdl_decode.py "$OUT/pdl_decode.json" \
                   || status=1 ;;
     profile-overlap) python3 -m detlora.study.profile_engine --modes run_to_run --batches 64 \
