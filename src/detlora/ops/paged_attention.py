@@ -123,8 +123,6 @@ BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
-FOLD_GROUPS = 2  # split-KV fold: groups of eight partial loads in flight at once (1 or 2)
-FLATTEN_SEGMENTS = True  # one flattened loop over a CTA's segments and their blocks
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -463,8 +461,6 @@ def _paged_attention_kernel(
     BLOCK_B: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
-    FOLD_GROUPS: tl.constexpr,
-    FLATTEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -503,57 +499,13 @@ def _paged_attention_kernel(
     part_row = tok * num_q_heads + head  # partial index within a segment
     part_stride = num_tokens * num_q_heads
 
-    big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    big_den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if FLATTEN:
-        # One pipelined loop over the blocks of this CTA's run of consecutive segments: at
-        # each segment end the (m, den, acc) of the segment is stored (split) or folded (not),
-        # and restarts, so the K/V pipeline never drains between segments. Same arithmetic.
-        if SPLIT:
-            per_cta = tl.cdiv(n_segs, tl.num_programs(2))
-            seg_lo = tl.program_id(2) * per_cta
-            seg_hi = tl.minimum(seg_lo + per_cta, n_segs)
-        else:
-            seg_lo = 0
-            seg_hi = n_segs
-        mine = seg_hi - seg_lo
-        blk_lo = seg_lo * seg_blocks
-        blk_hi = tl.minimum(seg_hi * seg_blocks, n_blocks)
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        if SPLIT:  # pages a block ahead (see attend_blocks)
-            next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-        for blk in range(blk_lo, blk_hi):
-            if SPLIT:
-                page = next_page
-                next_page = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx,
-                                         max_blocks, PAGE)
-            else:
-                page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-            m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
-                                       pos, num_pages, qk_scale, stride_kb, stride_ks,
-                                       stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
-                                       DOT_PRECISION)
-            if ((blk + 1) % seg_blocks == 0) | (blk + 1 == blk_hi):
-                if SPLIT:
-                    _store_partial(part_acc_ptr, part_ml_ptr, blk // seg_blocks, part_stride,
-                                   part_row, m, den, acc, row_ok, offs_d, HEAD_DIM)
-                else:
-                    big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
-                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    else:
-        # A CTA takes every num_programs(2)-th segment, each in its own block loop.
-        if SPLIT:
-            seg_first = tl.program_id(2)
-            seg_step = tl.num_programs(2)
-        else:
-            seg_first = 0
-            seg_step = 1
+    if SPLIT:
+        # A CTA takes every num_programs(2)-th segment, each in its own block loop, and stores
+        # each segment's partial for the fold below. (One flattened loop over a run of
+        # consecutive segments, storing at each segment end, ran 1.1-1.35x slower here:
+        # attention_flat_segments.json.)
+        seg_first = tl.program_id(2)
+        seg_step = tl.num_programs(2)
         mine = tl.cdiv(n_segs - seg_first, seg_step)
         for seg in range(seg_first, n_segs, seg_step):
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -564,12 +516,32 @@ def _paged_attention_kernel(
             m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr,
                                         blk_lo, blk_hi, ctx, pos, max_blocks, num_pages,
                                         qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT)
-            if SPLIT:
-                _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den,
-                               acc, row_ok, offs_d, HEAD_DIM)
-            else:
+                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, True)
+            _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den, acc,
+                           row_ok, offs_d, HEAD_DIM)
+    else:
+        # One pipelined loop over all key blocks: at each segment end the segment's
+        # (m, den, acc) joins the running total and restarts, so the K/V pipeline never drains
+        # between segments (the arithmetic of a block loop per segment; 7-10% faster at
+        # batch 64: attention_flat_segments.json).
+        big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        big_den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for blk in range(0, n_blocks):
+            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+            m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
+                                       pos, num_pages, qk_scale, stride_kb, stride_ks,
+                                       stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
+                                       DOT_PRECISION)
+            if ((blk + 1) % seg_blocks == 0) | (blk + 1 == n_blocks):
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
 
     if not SPLIT:
         out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
@@ -595,18 +567,13 @@ def _paged_attention_kernel(
                     tot_m = tl.full((MERGE_ROWS,), float("-inf"), dtype=tl.float32)
                     tot_den = tl.zeros((MERGE_ROWS,), dtype=tl.float32)
                     tot_a = tl.zeros((MERGE_ROWS, HEAD_DIM), dtype=tl.float32)
-                    # FOLD_GROUPS x 8 segments' loads in flight, then their folds in order (a
-                    # fold past n_segs is an exact no-op): the fold waits on L2 once per batch.
-                    for s0 in range(0, n_segs, 8 * FOLD_GROUPS):
-                        first = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
+                    # Eight segments' loads in flight, then eight folds in order (a fold past
+                    # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
+                    # (Sixteen in flight measured no faster: attention_flat_segments.json.)
+                    for s0 in range(0, n_segs, 8):
+                        parts = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
                                                offs_d, ok, part_stride, HEAD_DIM)
-                        if FOLD_GROUPS == 2:
-                            second = _load_partials(part_acc_ptr, part_ml_ptr, s0 + 8, n_segs,
-                                                    base, offs_d, ok, part_stride, HEAD_DIM)
-                        tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a, first)
-                        if FOLD_GROUPS == 2:
-                            tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a,
-                                                                   second)
+                        tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a, parts)
                     out_ptrs = out_ptr + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
                     tl.store(out_ptrs, _finish(tot_a, tot_den).to(out_ptr.dtype.element_ty),
                              mask=ok[:, None])
@@ -932,7 +899,6 @@ def paged_attention(
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
-        FOLD_GROUPS=FOLD_GROUPS, FLATTEN=FLATTEN_SEGMENTS,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
