@@ -1,6 +1,6 @@
 """When should the batch-invariant decode attention split the KV axis over CTAs, now that the
 unsplit kernel runs one flattened block loop per CTA? Decode latency with the default grid
-(split when query tiles x KV heads < 264) against one CTA per tile (no split), Llama-3.2-3B
+(split when query tiles x KV heads are few) against one CTA per tile (no split), Llama-3.2-3B
 heads; plus the bandwidth ceiling of the rms_norm benchmark's largest point: a plain Triton
 row copy and torch's copy_ of the same bytes (H 3072, M 4096, bf16), CUDA-graph replays.
 
@@ -22,16 +22,16 @@ from detlora.study.timing import input_sets_for, time_graph_us
 hq, hk, d = ba.MODELS["llama3b"]
 device = torch.device("cuda")
 rows = []
-saved = pa._TARGET_CTAS
+saved = pa._SPLIT_BELOW  # (at c136a5f the split test read _TARGET_CTAS)
 for b in (4, 8, 16, 32):
     for ctx in (1024, 8192, 32768):
         for grid, target in (("default", saved), ("unsplit", 0)):
-            pa._TARGET_CTAS = target
+            pa._SPLIT_BELOW = target
             try:
                 calls = ba._decode_calls("detlora", b, ctx, hq, hk, d, device)
                 us = time_graph_us(calls, replays=10)
             finally:
-                pa._TARGET_CTAS = saved
+                pa._SPLIT_BELOW = saved
             del calls
             torch.cuda.empty_cache()
             rows.append({"part": "attention", "b": b, "ctx": ctx, "grid": grid,

@@ -122,6 +122,10 @@ def paged_attention_ref(
 BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
+# Split the KV axis only below this many (query tile, KV head) pairs: at batch 32 (256 pairs)
+# one flattened loop per tile beat the split at 1k-32k, at batch 16 (128) the split won
+# (attention_split_threshold.json). Never decides bits.
+_SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -863,7 +867,7 @@ def paged_attention(
     scratch_floats = max_segs * problem.num_tokens * problem.num_q_heads * (problem.head_dim + 2)
     if kv_ctas is None:
         ctas = 1
-        if slots * hk < _TARGET_CTAS and scratch_floats <= _MAX_SCRATCH_FLOATS:
+        if slots * hk < _SPLIT_BELOW and scratch_floats <= _MAX_SCRATCH_FLOATS:
             ctas = cdiv(_TARGET_CTAS, slots * hk)
     else:
         ctas = kv_ctas
