@@ -288,12 +288,12 @@ def attend_blocks(
     if PREFETCH_PAGES:
         next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
     for blk in range(blk_lo, blk_hi):
+        kpos = blk * BLOCK_N + offs_n
         if PREFETCH_PAGES:
-            page = next_page
-            next_page = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx, max_blocks,
-                                     PAGE)
+            page = next_page.to(tl.int64)
+            next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
         else:
-            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+            page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
                                    stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
@@ -308,7 +308,7 @@ def attend_block(
     q,
     k_head_ptr,
     v_head_ptr,
-    page,  # [BLOCK_N] page of each key of the block (``_block_pages``)
+    page,  # [BLOCK_N] int64 page of each key of the block (``_block_pages``)
     blk,
     ctx,
     pos,
@@ -326,7 +326,6 @@ def attend_block(
     """One online-softmax update of (m, den, acc) with key block ``blk``."""
     offs_d = tl.arange(0, HEAD_DIM)
     kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    page = page.to(tl.int64)
     # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
     kv_ok = (kpos < ctx) & (page >= 0) & (page < num_pages)
     slot = kpos % PAGE
@@ -536,7 +535,8 @@ def _paged_attention_kernel(
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
         for blk in range(0, n_blocks):
-            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
+                                PAGE).to(tl.int64)
             m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
                                        pos, num_pages, qk_scale, stride_kb, stride_ks,
                                        stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
