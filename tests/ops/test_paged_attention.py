@@ -340,3 +340,12 @@ def test_write_kv_bad_inputs():
         pa.write_kv(k, k, cache, cache[:2].clone(), slots)
     with pytest.raises(ValueError, match="k_cache is on meta"):
         pa.write_kv(k, k, cache.to("meta"), cache.clone(), slots)
+
+
+def test_default_kv_ctas_splits_only_few_tiles():
+    # Batch 1 and 16 of 8 KV heads split (8 and 128 pairs), batch 32 does not (256 pairs:
+    # attention_split_threshold.json); scratch past its cap never splits.
+    assert pa.default_kv_ctas(8, 1000) == 33
+    assert pa.default_kv_ctas(128, 1000) == 3
+    assert pa.default_kv_ctas(256, 1000) == 1
+    assert pa.default_kv_ctas(8, pa._MAX_SCRATCH_FLOATS + 1) == 1

@@ -822,6 +822,15 @@ def write_kv(
     )
 
 
+def default_kv_ctas(tiles: int, scratch_floats: int) -> int:
+    """CTAs per query tile when the caller does not say: split the KV axis only when there
+    are fewer than ``_SPLIT_BELOW`` (query tile, KV head) pairs and the partials fit, into
+    enough CTAs to give the GPU about ``_TARGET_CTAS``. Never decides bits."""
+    if tiles < _SPLIT_BELOW and scratch_floats <= _MAX_SCRATCH_FLOATS:
+        return cdiv(_TARGET_CTAS, tiles)
+    return 1
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -865,12 +874,7 @@ def paged_attention(
     hk = problem.num_kv_heads
     max_segs = cdiv(problem.capacity, segment)
     scratch_floats = max_segs * problem.num_tokens * problem.num_q_heads * (problem.head_dim + 2)
-    if kv_ctas is None:
-        ctas = 1
-        if slots * hk < _SPLIT_BELOW and scratch_floats <= _MAX_SCRATCH_FLOATS:
-            ctas = cdiv(_TARGET_CTAS, slots * hk)
-    else:
-        ctas = kv_ctas
+    ctas = default_kv_ctas(slots * hk, scratch_floats) if kv_ctas is None else kv_ctas
     ctas = max(1, min(ctas, max_segs))
     counters = None
     if ctas > 1:
@@ -914,6 +918,7 @@ __all__ = [
     "COUNTERS",
     "KV_SEGMENT",
     "check_write_kv_args",
+    "default_kv_ctas",
     "numerics_config",
     "paged_attention",
     "paged_attention_ref",
