@@ -301,29 +301,11 @@ def attend_blocks(
 
 
 @triton.jit
-def attend_block(
-    m,
-    den,
-    acc,
-    q,
-    k_head_ptr,
-    v_head_ptr,
-    page,  # [BLOCK_N] int64 page of each key of the block (``_block_pages``)
-    blk,
-    ctx,
-    pos,
-    num_pages,
-    qk_scale,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax update of (m, den, acc) with key block ``blk``."""
+def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, num_pages,
+                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update of (m, den, acc) with key block ``blk``, whose keys live in
+    ``page`` ([BLOCK_N] int64, from ``_block_pages``); the other arguments as attend_blocks'."""
     offs_d = tl.arange(0, HEAD_DIM)
     kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
@@ -395,23 +377,11 @@ def _load_partials(acc_ptr, ml_ptr, s0, n_segs, row_base, offs_d, ok, part_strid
                    HEAD_DIM: tl.constexpr):
     """Segments s0..s0+7's partials, a tuple of eight (m, den, acc): their loads go out
     together, before any fold waits on them."""
-    return (
-        _load_partial(acc_ptr, ml_ptr, s0, n_segs, row_base, offs_d, ok, part_stride, HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 1, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 2, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 3, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 4, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 5, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 6, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-        _load_partial(acc_ptr, ml_ptr, s0 + 7, n_segs, row_base, offs_d, ok, part_stride,
-                      HEAD_DIM),
-    )
+    parts = ()
+    for j in tl.static_range(8):  # tuple concatenation: Triton's frontend has no *unpacking
+        parts = parts + (_load_partial(acc_ptr, ml_ptr, s0 + j, n_segs,  # noqa: RUF005
+                                       row_base, offs_d, ok, part_stride, HEAD_DIM),)
+    return parts
 
 
 @triton.jit
