@@ -331,6 +331,13 @@ def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, nu
 
 
 @triton.jit
+def _empty_segment(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(max, sum, acc) of rows that saw no key yet: -inf, 0, 0 (``_merge``'s exact no-op)."""
+    return (tl.full((ROWS,), float("-inf"), dtype=tl.float32), tl.zeros((ROWS,), dtype=tl.float32),
+            tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32))
+
+
+@triton.jit
 def _merge(big_m, big_den, big_a, m, den, acc):
     """Fold one segment's (max, sum, acc) into the running total; exact when the segment is
     empty (m = -inf, den = 0, acc = 0). Explicit fma: no contraction left to the compiler."""
@@ -481,9 +488,7 @@ def _paged_attention_kernel(
         seg_step = tl.num_programs(2)
         mine = tl.cdiv(n_segs - seg_first, seg_step)
         for seg in range(seg_first, n_segs, seg_step):
-            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
             blk_lo = seg * seg_blocks
             blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
             m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr,
@@ -497,12 +502,8 @@ def _paged_attention_kernel(
         # (m, den, acc) joins the running total and restarts, so the K/V pipeline never drains
         # between segments (the arithmetic of a block loop per segment; 7-10% faster at
         # batch 64: attention_flat_segments.json).
-        big_m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        big_den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        big_a = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
+        m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
         for blk in range(0, n_blocks):
             page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
@@ -513,9 +514,7 @@ def _paged_attention_kernel(
                                        DOT_PRECISION)
             if ((blk + 1) % seg_blocks == 0) | (blk + 1 == n_blocks):
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
-                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
 
     if not SPLIT:
         out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
@@ -538,9 +537,7 @@ def _paged_attention_kernel(
                     t = tl.where(ok, t, 0)
                     h = kv_head * GROUP + r % GROUP
                     base = t * num_q_heads + h
-                    tot_m = tl.full((MERGE_ROWS,), float("-inf"), dtype=tl.float32)
-                    tot_den = tl.zeros((MERGE_ROWS,), dtype=tl.float32)
-                    tot_a = tl.zeros((MERGE_ROWS, HEAD_DIM), dtype=tl.float32)
+                    tot_m, tot_den, tot_a = _empty_segment(MERGE_ROWS, HEAD_DIM)
                     # Eight segments' loads in flight, then eight folds in order (a fold past
                     # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
                     # (Sixteen in flight measured no faster: attention_flat_segments.json.)
