@@ -5,7 +5,7 @@
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
-#                     [attention-flat] [rms-warps] [attention-split] [attention-tests] ...
+#                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +66,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
 (4, 8, 16, 32))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/rms_norm_warps.json" || status=1 ;;
     attention-split) python3 benchmarks/experiments/attention_split_threshold.py \
                        "$OUT/attention_split_threshold.json" || status=1 ;;
+    attention-pairs) python3 benchmarks/experiments/attention_block_pairs.py \
+                       "$OUT/attention_block_pairs.json" || status=1 ;;
     attention-tests) python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py -p no:cacheprovider \
                        2>&1 | tee "$OUT/attention_tests.log" | tail -n 15 || status=1 ;;
     pdl-decode) python3 benchmarks/experiments/pdl_decode.py "$OUT/pdl_decode.json" \
