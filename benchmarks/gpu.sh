@@ -66,6 +66,7 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
 (4, 8, 16, 32))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/rms_norm_warps.json" || status=1 ;;
     attention-split) python3 benchmarks/experiments/attention_split_threshold.py \
                        "$OUT/attention_split_threshold.json" || status=1 ;;
+    # attention-pairs toggles a flag that exists at commit 85ef1d6 only (see the script)
     attention-pairs) python3 benchmarks/experiments/attention_block_pairs.py \
                        "$OUT/attention_block_pairs.json" || status=1 ;;
     attention-tests) python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py -p no:cacheprovider \

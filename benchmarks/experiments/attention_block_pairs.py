@@ -5,6 +5,13 @@ block that limits batch-1 decode, and does it keep the bits?
 
     PYTHONPATH=src python benchmarks/experiments/attention_block_pairs.py OUT.json
 
+Runs at commit 85ef1d6 only: that commit's paged_attention has the ``_PAIR_BLOCKS`` flag this
+script toggles. Measured there (attention_block_pairs.json): the pairs keep every bit but run
+slower everywhere (batch 1, 8k: 22.3 -> 26.6 us; batch 64, 1k: 97 -> 200 us): the 64x128 score
+tile and the second block's state spill registers (sm_90 ptxas: 28 -> 244 bytes split, 64 ->
+544 unsplit), and Triton 3.6 still waits on each wgmma group at once, so nothing overlaps. The
+flag was removed after this measurement.
+
 Bits: rows computed with pairs (split and unsplit KV) against the same rows of one full
 prefill and of decode steps computed without pairs, ``torch.equal`` per row, Llama and Qwen
 heads. Latency: decode steps, Llama-3.2-3B heads, CUDA-graph replay median per call, beside

@@ -127,9 +127,6 @@ _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never deci
 # (attention_split_threshold.json). Never decides bits.
 _SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
-# Key blocks per loop iteration of the (split, unsplit) paths: 2 runs one score dot over two
-# blocks, then their two updates in order (same bits). Experiment flag for now.
-_PAIR_BLOCKS = (False, False)
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -273,7 +270,6 @@ def attend_blocks(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,
-    PAIRS: tl.constexpr = False,
 ):
     """Online softmax over key blocks [blk_lo, blk_hi), in order, one update per block.
 
@@ -289,11 +285,6 @@ def attend_blocks(
     in the engine's batch-64 decode (contexts of about 128).
     """
     offs_n = tl.arange(0, BLOCK_N)
-    if PAIRS:
-        return _attend_block_pairs(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, blk_lo,
-                                   blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb,
-                                   stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
-                                   DOT_PRECISION)
     if PREFETCH_PAGES:
         next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
     for blk in range(blk_lo, blk_hi):
@@ -310,78 +301,19 @@ def attend_blocks(
 
 
 @triton.jit
-def _attend_block_pairs(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, blk_lo, blk_hi, ctx,
-                        pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-                        stride_vs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """attend_blocks two blocks per iteration: one score dot over both blocks' keys, split into
-    the two blocks' scores, then the two updates in order (the same arithmetic: a score is
-    one dot product over HEAD_DIM whatever the tile width). A second block at blk_hi or past
-    it sees no key: an exact no-op."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_2n = tl.arange(0, 2 * BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    nk = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_2n, ctx, max_blocks, PAGE)
-    nv0 = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-    nv1 = _block_pages(table_ptr, (blk_lo + 1) * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-    for blk in range(blk_lo, blk_hi, 2):
-        page_k = nk.to(tl.int64)
-        page0 = nv0.to(tl.int64)
-        page1 = nv1.to(tl.int64)
-        nxt = (blk + 2) * BLOCK_N
-        nk = _block_pages(table_ptr, nxt + offs_2n, ctx, max_blocks, PAGE)
-        nv0 = _block_pages(table_ptr, nxt + offs_n, ctx, max_blocks, PAGE)
-        nv1 = _block_pages(table_ptr, nxt + BLOCK_N + offs_n, ctx, max_blocks, PAGE)
-        kpos = blk * BLOCK_N + offs_2n
-        kv_ok = (kpos < ctx) & (page_k >= 0) & (page_k < num_pages)
-        k = tl.load(k_head_ptr + (page_k * stride_kb + (kpos % PAGE) * stride_ks)[:, None]
-                    + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        qk0, qk1 = tl.split(tl.permute(tl.reshape(qk, (qk.shape[0], 2, BLOCK_N)), (0, 2, 1)))
-        m, den, acc = _block_update(m, den, acc, qk0, v_head_ptr, page0, blk, ctx, pos,
-                                    num_pages, qk_scale, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                    HEAD_DIM, DOT_PRECISION)
-        pos1 = tl.where(blk + 1 < blk_hi, pos, -1)
-        m, den, acc = _block_update(m, den, acc, qk1, v_head_ptr, page1, blk + 1, ctx, pos1,
-                                    num_pages, qk_scale, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                    HEAD_DIM, DOT_PRECISION)
-    return m, den, acc
-
-
-@triton.jit
 def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, num_pages,
                  qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax update of (m, den, acc) with key block ``blk``, whose keys live in
     ``page`` ([BLOCK_N] int64, from ``_block_pages``); the other arguments as attend_blocks'."""
-    qk = _block_scores(q, k_head_ptr, page, blk, ctx, num_pages, stride_kb, stride_ks, PAGE,
-                       BLOCK_N, HEAD_DIM, DOT_PRECISION)
-    return _block_update(m, den, acc, qk, v_head_ptr, page, blk, ctx, pos, num_pages, qk_scale,
-                         stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
-
-
-@triton.jit
-def _block_scores(q, k_head_ptr, page, blk, ctx, num_pages, stride_kb, stride_ks,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """q . K^T of key block ``blk`` (unscaled fp32 [BLOCK_M, BLOCK_N])."""
     offs_d = tl.arange(0, HEAD_DIM)
     kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
     kv_ok = (kpos < ctx) & (page >= 0) & (page < num_pages)
-    k = tl.load(k_head_ptr + (page * stride_kb + (kpos % PAGE) * stride_ks)[:, None]
-                + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _block_update(m, den, acc, qk, v_head_ptr, page, blk, ctx, pos, num_pages, qk_scale,
-                  stride_vb, stride_vs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The online-softmax update of (m, den, acc) with block ``blk``'s scores ``qk``."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_ok = (kpos < ctx) & (page >= 0) & (page < num_pages)
+    slot = kpos % PAGE
+    k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     # Causal: a row sees keys up to its own position (and so never past the context).
     s = tl.where(kpos[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -391,8 +323,8 @@ def _block_update(m, den, acc, qk, v_head_ptr, page, blk, ctx, pos, num_pages, q
     p = tl.exp2(s - m_use[:, None])
     den = tl.fma(den, alpha, tl.sum(p, axis=1))
     # Rows past the context are zeros, so p = 0 there multiplies finite values only.
-    v = tl.load(v_head_ptr + (page * stride_vb + (kpos % PAGE) * stride_vs)[:, None]
-                + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+    v = tl.load(v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return m_new, den, acc
@@ -511,7 +443,6 @@ def _paged_attention_kernel(
     MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PAIRS: tl.constexpr = False,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
     pid = tl.program_id(0)
@@ -563,7 +494,7 @@ def _paged_attention_kernel(
             m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr,
                                         blk_lo, blk_hi, ctx, pos, max_blocks, num_pages,
                                         qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, True, PAIRS)
+                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, True)
             _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den, acc,
                            row_ok, offs_d, HEAD_DIM)
     else:
@@ -574,35 +505,7 @@ def _paged_attention_kernel(
         big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
         m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        if PAIRS:
-            offs_2n = tl.arange(0, 2 * BLOCK_N)
-            offs_d2 = tl.arange(0, HEAD_DIM)
-            for blk in range(0, n_blocks, 2):
-                page_k = _block_pages(table_ptr, blk * BLOCK_N + offs_2n, ctx, max_blocks,
-                                      PAGE).to(tl.int64)
-                page0 = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
-                                     PAGE).to(tl.int64)
-                page1 = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx, max_blocks,
-                                     PAGE).to(tl.int64)
-                kpos = blk * BLOCK_N + offs_2n
-                kv_ok = (kpos < ctx) & (page_k >= 0) & (page_k < num_pages)
-                k = tl.load(k_head_ptr + (page_k * stride_kb + (kpos % PAGE) * stride_ks)[:, None]
-                            + offs_d2[None, :], mask=kv_ok[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                qk0, qk1 = tl.split(tl.permute(tl.reshape(qk, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-                m, den, acc = _block_update(m, den, acc, qk0, v_head_ptr, page0, blk, ctx, pos,
-                                            num_pages, qk_scale, stride_vb, stride_vs, PAGE,
-                                            BLOCK_N, HEAD_DIM, DOT_PRECISION)
-                # (segments hold an even number of blocks here: no segment ends mid-pair)
-                pos1 = tl.where(blk + 1 < n_blocks, pos, -1)
-                m, den, acc = _block_update(m, den, acc, qk1, v_head_ptr, page1, blk + 1, ctx,
-                                            pos1, num_pages, qk_scale, stride_vb, stride_vs,
-                                            PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
-                if ((blk + 2) % seg_blocks == 0) | (blk + 2 >= n_blocks):
-                    big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
-                    m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
-        else:
-          for blk in range(0, n_blocks):
+        for blk in range(0, n_blocks):
             page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
                                 PAGE).to(tl.int64)
             m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
@@ -972,7 +875,6 @@ def paged_attention(
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
         DOT_PRECISION=_dot_precision(q.dtype),
-        PAIRS=_PAIR_BLOCKS[0 if ctas > 1 else 1] and (segment // BLOCK_N) % 2 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
     return out
