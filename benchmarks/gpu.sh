@@ -5,7 +5,8 @@
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
-#                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs] ...
+#                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
+#                     [attention-prologue] [ops-attention] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,11 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
 (4, 8, 16, 32))}, open(sys.argv[1], 'w'), indent=1)" "$OUT/rms_norm_warps.json" || status=1 ;;
     attention-split) python3 benchmarks/experiments/attention_split_threshold.py \
                        "$OUT/attention_split_threshold.json" || status=1 ;;
+    attention-prologue) python3 benchmarks/experiments/attention_prologue.py \
+                          "$OUT/attention_prologue.json" old_paged_attention_a9244d1.py \
+                          || status=1 ;;
+    ops-attention) python3 -m detlora.study.bi_ops_bench --parts attention \
+                     --out "$OUT/batch_invariant_ops_attention.json" || status=1 ;;
     # attention-pairs toggles a flag that exists at commit 85ef1d6 only (see the script)
     attention-pairs) python3 benchmarks/experiments/attention_block_pairs.py \
                        "$OUT/attention_block_pairs.json" || status=1 ;;

@@ -246,6 +246,15 @@ def _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _table_pages(table_ptr, kpos, max_blocks, PAGE: tl.constexpr):
+    """The block-table entries of key positions ``kpos`` (0 past the table), whatever the
+    context: it needs no load before it, so it can go out with the kernel's first loads. Past
+    the context an entry is unchecked and must only feed loads masked by the context."""
+    page_idx = kpos // PAGE
+    return tl.load(table_ptr + page_idx, mask=page_idx < max_blocks, other=0)
+
+
+@triton.jit
 def attend_blocks(
     m,
     den,
@@ -286,14 +295,33 @@ def attend_blocks(
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PREFETCH_PAGES:
-        next_page = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+        first = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
+        return attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first,
+                                 blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
+                                 HEAD_DIM, DOT_PRECISION)
     for blk in range(blk_lo, blk_hi):
         kpos = blk * BLOCK_N + offs_n
-        if PREFETCH_PAGES:
-            page = next_page.to(tl.int64)
-            next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
-        else:
-            page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
+        page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
+        m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
+                                   num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
+                                   stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+    return m, den, acc
+
+
+@triton.jit
+def attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first_pages, blk_lo,
+                      blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks,
+                      stride_vb, stride_vs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """attend_blocks with PREFETCH_PAGES, given block blk_lo's pages (``first_pages``: from
+    ``_block_pages`` or ``_table_pages``; past the context they only feed masked loads)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    next_page = first_pages
+    for blk in range(blk_lo, blk_hi):
+        kpos = blk * BLOCK_N + offs_n
+        page = next_page.to(tl.int64)
+        next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
                                    stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
@@ -451,12 +479,19 @@ def _paged_attention_kernel(
                             BLOCK_Q, SEARCH, BLOCK_B)
     if seq >= num_seqs:
         return
+    # The index loads and (split) the first block's pages go out together: none waits on
+    # another, so a decode CTA pays one round trip before its first K/V load, not three.
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if SPLIT:
+        first_pages = _table_pages(table_ptr, tl.program_id(2) * seg_blocks * BLOCK_N
+                                   + tl.arange(0, BLOCK_N), max_blocks, PAGE)
+    q_len = q_end - q_start
     q_lo = q_tile * BLOCK_Q
     if q_lo >= q_len:
         return
-    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
     # Keys past the block table do not exist (a bad seq_len must not read out of bounds).
     kv_end = tl.minimum(ctx - q_len + tl.minimum(q_lo + BLOCK_Q, q_len), max_blocks * PAGE)
     n_blocks = tl.cdiv(kv_end, BLOCK_N)
@@ -473,7 +508,6 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
     part_row = tok * num_q_heads + head  # partial index within a segment
@@ -487,16 +521,40 @@ def _paged_attention_kernel(
         seg_first = tl.program_id(2)
         seg_step = tl.num_programs(2)
         mine = tl.cdiv(n_segs - seg_first, seg_step)
+        if n_segs == 1:
+            # One segment (a short context): its CTA holds the whole row and writes it as the
+            # unsplit path does (the fold of one partial is _merge into an empty total plus
+            # exact no-ops), without the round trip through scratch; the others have no work.
+            mine = 0
+            if seg_first == 0:
+                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+                m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
+                                                table_ptr, first_pages, 0, n_blocks, ctx, pos,
+                                                max_blocks, num_pages, qk_scale, stride_kb,
+                                                stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
+                                                HEAD_DIM, DOT_PRECISION)
+                big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
+                big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
+                out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] \
+                    + offs_d[None, :]
+                tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None])
         for seg in range(seg_first, n_segs, seg_step):
-            m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
-            blk_lo = seg * seg_blocks
-            blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
-            m, den, acc = attend_blocks(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr,
-                                        blk_lo, blk_hi, ctx, pos, max_blocks, num_pages,
-                                        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                                        PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, True)
-            _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den, acc,
-                           row_ok, offs_d, HEAD_DIM)
+            if n_segs > 1:
+                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+                blk_lo = seg * seg_blocks
+                blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
+                m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
+                                                table_ptr, first_pages, blk_lo, blk_hi, ctx,
+                                                pos, max_blocks, num_pages, qk_scale,
+                                                stride_kb, stride_ks, stride_vb, stride_vs,
+                                                PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den,
+                               acc, row_ok, offs_d, HEAD_DIM)
+                # the next segment of this CTA starts seg_step segments on
+                first_pages = _block_pages(table_ptr, (blk_lo + seg_step * seg_blocks)
+                                           * BLOCK_N + tl.arange(0, BLOCK_N), ctx, max_blocks,
+                                           PAGE)
     else:
         # One pipelined loop over all key blocks: at each segment end the segment's
         # (m, den, acc) joins the running total and restarts, so the K/V pipeline never drains
