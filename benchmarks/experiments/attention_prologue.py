@@ -24,6 +24,7 @@ from detlora.study.timing import time_graph_us
 
 spec = importlib.util.spec_from_file_location("old_paged_attention", sys.argv[2])
 old = importlib.util.module_from_spec(spec)
+sys.modules["old_paged_attention"] = old  # dataclasses look their module up there
 spec.loader.exec_module(old)
 hq, hk, d = ba.MODELS["llama3b"]
 device = torch.device("cuda")
