@@ -6,7 +6,8 @@
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
 #                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
-#                     [attention-prologue] [ops-attention] ...
+#                     [attention-prologue] [ops-attention] [attention-stages]
+#                     [matmul-regions] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +71,10 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
     attention-prologue) python3 benchmarks/experiments/attention_prologue.py \
                           "$OUT/attention_prologue.json" old_paged_attention_a9244d1.py \
                           || status=1 ;;
+    attention-stages) python3 benchmarks/experiments/attention_stages.py \
+                        "$OUT/attention_stages.json" || status=1 ;;
+    matmul-regions) python3 benchmarks/experiments/matmul_regions.py \
+                      "$OUT/matmul_regions.json" || status=1 ;;
     ops-attention) python3 -m detlora.study.bi_ops_bench --parts attention \
                      --out "$OUT/batch_invariant_ops_attention.json" || status=1 ;;
     # attention-pairs toggles a flag that exists at commit 85ef1d6 only (see the script)
