@@ -185,18 +185,6 @@ def test_prefill_chunked_decode_and_prefix_rows_agree(model):
             check(row, p, f"decode {p} kv_ctas {ctas}")
 
 
-def test_page_prefetch_changes_no_bits(monkeypatch):
-    """Unsplit path with pages read a block ahead (few tiles) or in the same iteration
-    (_SPLIT_BELOW at 0): the same bits, prefill, chunks and decode steps."""
-    pool = Pool([3000, 700, 77], 24, 8, seed=8)
-    pieces = [(0, 2900, 3000), (1, 600, 700), (2, 76, 77), (0, 2999, 3000)]  # 13 x 8 pairs
-    few = pool.attend(pieces, kv_ctas=1)
-    monkeypatch.setattr(pa, "_SPLIT_BELOW", 0)
-    many = pool.attend(pieces, kv_ctas=1)
-    for a, b in zip(few, many, strict=True):
-        assert torch.equal(a, b)
-
-
 def test_split_decode_repeats_bitwise():
     pool = Pool([8192, 5000, 77, 1], 24, 8, seed=6)
     pieces = [(s, n - 1, n) for s, n in enumerate(pool.lens)]

@@ -241,18 +241,6 @@ def test_split_and_unsplit_agree_on_long_folds(hint):
                 assert torch.equal(a, b)
 
 
-def test_page_prefetch_changes_no_bits(monkeypatch):
-    """The unsplit path reads pages a block ahead only for few tiles (below _SPLIT_BELOW pairs);
-    with the threshold at 0 it never does. Same rows either way, prefill and decode."""
-    c = _cache([600, 75, 130], 6, 2, 16, 8, torch.float16, seed=12)
-    pieces = [(0, 0, 600), (1, 74, 75), (2, 100, 130)]
-    few = _attend(c, pieces, kv_split=128, kv_ctas=1)
-    monkeypatch.setattr(pa, "_SPLIT_BELOW", 0)
-    many = _attend(c, pieces, kv_split=128, kv_ctas=1)
-    for a, b in zip(few, many, strict=True):
-        assert torch.equal(a, b)
-
-
 def test_repeat_runs_are_bitwise_equal():
     c = _cache([130, 9], 4, 2, 16, 4, torch.float16, seed=3)
     pieces = [(0, 120, 130), (1, 8, 9)]

@@ -124,8 +124,7 @@ KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
 # Split the KV axis only below this many (query tile, KV head) pairs: at batch 32 (256 pairs)
 # one flattened loop per tile beat the split at 1k-32k, at batch 16 (128) the split won
-# (attention_split_threshold.json). Below it an unsplit KV (one segment, or a split turned
-# off) also reads pages a block ahead. Never decides bits.
+# (attention_split_threshold.json). Never decides bits.
 _SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
@@ -287,9 +286,8 @@ def attend_blocks(
     loop: a K/V load whose address comes from a load of the same iteration is pipelined one
     block deep only (Triton 3.6 then waits for every copy at each block). It deepens the
     pipeline (one more K/V buffer, so fewer CTAs fit on an SM) and never changes the
-    arithmetic. Both kernels use it only when query tiles are few and each CTA's latency is
-    what counts: when the KV axis is split over CTAs, and (batch-invariant kernel) for an
-    unsplit KV below ``_SPLIT_BELOW`` (tile, head) pairs. Measured on the H200
+    arithmetic. Both kernels use it only when the KV axis is split over CTAs, i.e. when query
+    tiles are few and each CTA's latency is what counts. Measured on the H200
     (benchmarks/results/attention_prefetch.json): with it, batch 1 at 8k runs 28 -> 24 us
     (batch-invariant) and 19.2 -> 17.6 us (split-KV); without a split it cost the split-KV
     kernel 72 -> 86 us at batch 64, 1k, and the batch-invariant one 26.7 -> 28.1 us per layer
@@ -472,7 +470,6 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # unsplit path: read pages a block ahead (the split path always)
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
@@ -488,7 +485,7 @@ def _paged_attention_kernel(
     q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
     ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if SPLIT or PREFETCH:
+    if SPLIT:
         first_pages = _table_pages(table_ptr, tl.program_id(2) * seg_blocks * BLOCK_N
                                    + tl.arange(0, BLOCK_N), max_blocks, PAGE)
     q_len = q_end - q_start
@@ -566,16 +563,9 @@ def _paged_attention_kernel(
         big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
         m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            next_page = first_pages
         for blk in range(0, n_blocks):
-            if PREFETCH:  # pages a block ahead (see attend_blocks), for few tiles only
-                page = next_page.to(tl.int64)
-                next_page = _block_pages(table_ptr, (blk + 1) * BLOCK_N + offs_n, ctx,
-                                         max_blocks, PAGE)
-            else:
-                page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
-                                    PAGE).to(tl.int64)
+            page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
+                                PAGE).to(tl.int64)
             m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
                                        pos, num_pages, qk_scale, stride_kb, stride_ks,
                                        stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
@@ -942,7 +932,7 @@ def paged_attention(
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
-        DOT_PRECISION=_dot_precision(q.dtype), PREFETCH=slots * hk < _SPLIT_BELOW,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
     return out
