@@ -7,7 +7,7 @@
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
 #                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
 #                     [attention-prologue] [ops-attention] [attention-stages]
-#                     [matmul-regions] ...
+#                     [matmul-regions] [l2-prefetch] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +73,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           || status=1 ;;
     attention-stages) python3 benchmarks/experiments/attention_stages.py \
                         "$OUT/attention_stages.json" || status=1 ;;
+    l2-prefetch) python3 benchmarks/experiments/l2_prefetch.py "$OUT/l2_prefetch.json" \
+                   || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \
                       "$OUT/matmul_regions.json" || status=1 ;;
     ops-attention) python3 -m detlora.study.bi_ops_bench --parts attention \

@@ -1,0 +1,98 @@
+"""Does hinting the next GEMM's weight into L2 during the small kernels of a decode step pay?
+
+Part 1, one GEMM (M = 1, Llama-3.2-3B layer shapes, detlora linear and cuBLAS): CUDA-graph
+replays of steps [optional l2_prefetch(W_i, cols)] -> [idle window: torch.cuda._sleep] ->
+[linear(x, W_i)] over enough distinct weights that none stays in L2 from the last step;
+median per step. "window_only" is the sleep alone.
+Part 2, the engine (bench_engine's model, one engine per variant): throughput and TPOT at
+batch 1 and 64 with ``model_runner.L2_PREFETCH_BYTES`` at several budgets (0 = off); the bits
+are tests/gpu/test_l2_prefetch_gpu.py's.
+
+    PYTHONPATH=src python benchmarks/experiments/l2_prefetch.py OUT.json [engine budgets MB]
+"""
+
+import contextlib
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from detlora.cli import results_meta
+from detlora.engine import model_runner
+from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches
+from detlora.ops.matmul import linear
+from detlora.study.engine_variants import time_variants
+from detlora.study.timing import time_graph_us
+
+SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}
+CYCLES_PER_US = 1980  # H200 SM clock under load (nvidia_smi.txt)
+MB = 1 << 20
+
+
+def gemm_rows() -> list[dict]:
+    rows = []
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    for name, (n, k) in SHAPES.items():
+        copies = max(3, -(-160 * MB // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        xk = x[:, :k].contiguous()
+        for impl, fn in (("detlora", linear), ("cublas", F.linear)):
+            for window_us in (0, 5, 10):
+                for budget_mb in (0, 16, 32, 48):
+                    cols = min(k, budget_mb * MB // (n * 2))
+
+                    def step(w, cols=cols, window_us=window_us, fn=fn, xk=xk):
+                        if cols:
+                            l2_prefetch(w, cols)
+                        if window_us:
+                            torch.cuda._sleep(window_us * CYCLES_PER_US)
+                        fn(xk, w, None)
+
+                    with l2_prefetches():
+                        us = time_graph_us([lambda w=w: step(w) for w in ws], replays=20)
+                    rows.append({"gemm": name, "N": n, "K": k, "impl": impl,
+                                 "window_us": window_us, "budget_mb": budget_mb,
+                                 "prefetched_mb": round(n * cols * 2 / MB, 1),
+                                 "step_us": round(us, 2)})
+                    print(rows[-1], flush=True)
+            if impl == "cublas":
+                for window_us in (5, 10):
+                    us = time_graph_us([lambda us=window_us: torch.cuda._sleep(us * CYCLES_PER_US)]
+                                       * copies, replays=20)
+                    rows.append({"gemm": name, "impl": "window_only", "window_us": window_us,
+                                 "step_us": round(us, 2)})
+                    print(rows[-1], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+@contextlib.contextmanager
+def budget(mb: int):
+    old = model_runner.L2_PREFETCH_BYTES
+    model_runner.L2_PREFETCH_BYTES = mb * MB
+    try:
+        yield
+    finally:
+        model_runner.L2_PREFETCH_BYTES = old
+
+
+def engine_rows(budgets: list[int]) -> list[dict]:
+    variants = [(mode, mb, lambda mb=mb: budget(mb))
+                for mode in ("batch_invariant", "fast") for mb in budgets
+                if mode == "batch_invariant" or mb in (0, max(budgets))]
+    return time_variants(variants, (1, 64), "budget_mb")
+
+
+if __name__ == "__main__":
+    budgets = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0, 16, 32, 48]
+    out = {"meta": results_meta("python benchmarks/experiments/l2_prefetch.py OUT.json "
+                                + ",".join(map(str, budgets))),
+           "gemm": gemm_rows()}
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
+    out["engine"] = engine_rows(budgets)
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)
