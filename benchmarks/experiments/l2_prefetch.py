@@ -9,14 +9,21 @@ batch 1 and 64 with ``model_runner.L2_PREFETCH_BYTES`` at several budgets (0 = o
 are tests/gpu/test_l2_prefetch_gpu.py's.
 
     PYTHONPATH=src python benchmarks/experiments/l2_prefetch.py OUT.json [engine budgets MB]
+    PYTHONPATH=src python benchmarks/experiments/l2_prefetch.py OUT.json warm   # part 3
+
+Part 3 ("warm"): the same GEMMs with one weight every step (in L2) against rotated weights,
+and each prefetch kernel alone (bulk requests, or one ``prefetch.global.L2`` per line).
 """
 
 import contextlib
+import functools
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from detlora.cli import results_meta
 from detlora.engine import model_runner
@@ -69,6 +76,64 @@ def gemm_rows() -> list[dict]:
     return rows
 
 
+@triton.jit
+def _line_prefetch_kernel(w_ptr, n_lines, BLOCK: tl.constexpr):
+    """One ``prefetch.global.L2::evict_last`` per 128-byte line (the per-line alternative)."""
+    line = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ptr = w_ptr.to(tl.pointer_type(tl.uint8)) + line.to(tl.int64) * 128
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; "
+        "mov.u32 $0, 0; }", "=r,l,r", [ptr, (line < n_lines).to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+def line_prefetch(w: torch.Tensor, nbytes: int) -> None:
+    lines = nbytes // 128
+    _line_prefetch_kernel[(-(-lines // 256),)](w, lines, BLOCK=256, num_warps=8)
+
+
+def warm_rows() -> list[dict]:
+    """Is a decode GEMM faster with its weight already in L2? Same weight every step (warm)
+    against rotated weights (cold); and the prefetch kernels alone, per MB hinted."""
+    rows = []
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    for name, (n, k) in SHAPES.items():
+        copies = max(3, -(-160 * MB // (n * k * 2)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        xk = x[:, :k].contiguous()
+        w0 = ws[0]
+        for impl, fn in (("detlora", linear), ("cublas", F.linear)):
+            cold = time_graph_us([functools.partial(fn, xk, w, None) for w in ws], replays=20)
+            warm = time_graph_us([functools.partial(fn, xk, w0, None)] * copies, replays=20)
+            rows.append({"gemm": name, "impl": impl, "cold_us": round(cold, 2),
+                         "warm_us": round(warm, 2), "weight_mb": round(n * k * 2 / MB, 1)})
+            print(rows[-1], flush=True)
+        nbytes = min(n * k * 2, 32 * MB)
+        with l2_prefetches():
+            bulk = time_graph_us([functools.partial(l2_prefetch, w, nbytes // (2 * n))
+                                  for w in ws], replays=20)
+        lines = time_graph_us([functools.partial(line_prefetch, w, nbytes) for w in ws],
+                              replays=20)
+        per_line = []
+        for window_us in (0, 10):
+            def step(w, window_us=window_us, xk=xk, nbytes=nbytes):
+                line_prefetch(w, nbytes)
+                if window_us:
+                    torch.cuda._sleep(window_us * CYCLES_PER_US)
+                linear(xk, w, None)
+            per_line.append(round(time_graph_us([functools.partial(step, w) for w in ws],
+                                                replays=20), 2))
+        rows.append({"gemm": name, "hinted_mb": round(nbytes / MB, 1),
+                     "bulk_prefetch_kernel_us": round(bulk, 2),
+                     "line_prefetch_kernel_us": round(lines, 2),
+                     "line_prefetch_then_detlora_us_window_0_10": per_line})
+        print(rows[-1], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 @contextlib.contextmanager
 def budget(mb: int):
     old = model_runner.L2_PREFETCH_BYTES
@@ -87,6 +152,11 @@ def engine_rows(budgets: list[int]) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if sys.argv[2:3] == ["warm"]:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"meta": results_meta("python benchmarks/experiments/l2_prefetch.py "
+                                            "OUT.json warm"), "warm": warm_rows()}, f, indent=1)
+        sys.exit(0)
     budgets = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0, 16, 32, 48]
     out = {"meta": results_meta("python benchmarks/experiments/l2_prefetch.py OUT.json "
                                 + ",".join(map(str, budgets))),
