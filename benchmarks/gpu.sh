@@ -73,6 +73,7 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           || status=1 ;;
     attention-stages) python3 benchmarks/experiments/attention_stages.py \
                         "$OUT/attention_stages.json" || status=1 ;;
+    # l2-prefetch measures an op that exists at 4618b7a..71e86be only (see the script)
     l2-prefetch) python3 benchmarks/experiments/l2_prefetch.py "$OUT/l2_prefetch.json" \
                    || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \

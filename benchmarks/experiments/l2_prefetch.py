@@ -1,4 +1,7 @@
-"""Does hinting the next GEMM's weight into L2 during the small kernels of a decode step pay?
+"""(Runs at commit 71e86be only: the op and the engine hook it measures were removed after
+this measurement, benchmarks/results/l2_prefetch.json.)
+
+Does hinting the next GEMM's weight into L2 during the small kernels of a decode step pay?
 
 Part 1, one GEMM (M = 1, Llama-3.2-3B layer shapes, detlora linear and cuBLAS): CUDA-graph
 replays of steps [optional l2_prefetch(W_i, cols)] -> [idle window: torch.cuda._sleep] ->

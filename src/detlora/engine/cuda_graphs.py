@@ -126,8 +126,7 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
-        from detlora.ops.l2_prefetch import l2_prefetches  # imports Triton: CUDA only
-        from detlora.ops.pdl import pdl_launches
+        from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
 
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
@@ -138,7 +137,7 @@ class DecodeGraphs:
                 self._i32.copy_(self._h32)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             # Decode kernels are a few microseconds each: PDL (ops/pdl.py) hides the gaps.
-            with pdl_launches(), l2_prefetches():
+            with pdl_launches():
                 with torch.cuda.stream(stream):
                     self.forward(self._batch(b))  # warm-up: compiles kernels, grows workspaces
                 torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -20,10 +20,6 @@ from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
 
-# Bytes of the next GEMM's weight each decode-graph GEMM hints into L2 (ops/l2_prefetch.py);
-# 0: no hints. Never changes bits.
-L2_PREFETCH_BYTES = 0
-
 
 class ModelRunner:
     def __init__(
@@ -57,9 +53,6 @@ class ModelRunner:
         return self.graphs is not None
 
     def _capture(self, max_num_seqs: int) -> None:
-        plan = getattr(self.model, "plan_l2_prefetch", None)
-        if plan is not None:
-            plan(L2_PREFETCH_BYTES)
         graphs = DecodeGraphs(
             self._decode_forward,
             device=self.device,

@@ -75,9 +75,6 @@ class OpBackend:
     # log_softmax op's bits for one column per row; None: the sampler gathers it from a
     # full log_softmax.
     chosen_logprob: Callable[..., torch.Tensor] | None = None
-    # (weight [N, K], cols) -> None: a hint that the first cols of every row of a weight are
-    # read soon (ops/l2_prefetch.py); changes no value. None: no hint (CPU, references).
-    l2_prefetch: Callable[[torch.Tensor, int], None] | None = None
 
     @property
     def name(self) -> str:
@@ -284,7 +281,6 @@ def _kernel_backend(
     max_lora_rank: int | None,
     allow_reference_fallback: bool,
 ) -> OpBackend:
-    from detlora.ops.l2_prefetch import l2_prefetch
     from detlora.ops.lora_expand import lora_expand
     from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
     from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
@@ -329,7 +325,6 @@ def _kernel_backend(
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls),
                      lora_expand_silu_and_mul=lora_expand_silu_and_mul,
-                     l2_prefetch=l2_prefetch,
                      # The engine checks positions once per step; a sync breaks graph capture.
                      rotary_write_kv=functools.partial(rotary_write_kv, validate=False),
                      lora_expand_rotary_write_kv=functools.partial(

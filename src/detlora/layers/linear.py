@@ -72,14 +72,6 @@ class LinearBase(nn.Module):
                       a_storage=gemm_weight[n:] if extra else None)
             if lora else None
         )
-        # (weight, cols): after this layer's GEMM, hint that weight's first cols per row
-        # into L2 (the next GEMM's weight; set by the model's ``plan_l2_prefetch``).
-        self.prefetch_after: tuple[torch.Tensor, int] | None = None
-
-    @property
-    def gemm_operand(self) -> torch.Tensor:
-        """The weight this layer's GEMM reads ([W; A] with ``in_gemm``)."""
-        return self.gemm_weight if self.gemm_weight is not None else self.weight
 
     # ---- sharding hooks (identity here; tensor-parallel subclasses override) ----
 
@@ -152,21 +144,14 @@ class LinearBase(nn.Module):
         """(x W^T (+ b), the LoRA term still to expand into it, or None without LoRA): for a
         consumer that fuses the expand into its own op (``GatedMLP``)."""
         if self.lora is None or lora is None:
-            y = self.backend.linear(x, self.weight, self.bias)
-            self._prefetch_next()
-            return y, None
+            return self.backend.linear(x, self.weight, self.bias), None
         if self.gemm_weight is not None:
             y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias)
             y, h = self.lora.split_in_gemm(y_cat, self.weight.shape[0])
         else:
             y, h = self.lora.shrink_beside(
                 x, lambda: self.backend.linear(x, self.weight, self.bias), lora, self.backend)
-        self._prefetch_next()
         return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets)
-
-    def _prefetch_next(self) -> None:
-        if self.prefetch_after is not None and self.backend.l2_prefetch is not None:
-            self.backend.l2_prefetch(*self.prefetch_after)
 
     def _check_slice(self, slice_index: int) -> None:
         if not 0 <= slice_index < len(self.output_sizes):

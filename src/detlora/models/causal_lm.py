@@ -141,26 +141,6 @@ class DecoderForCausalLM(nn.Module):
         h = self.hidden_states(batch)
         return self.compute_logits(h.index_select(0, batch.logits_indices), upcast=upcast)
 
-    # ---- L2 prefetch ----
-
-    def plan_l2_prefetch(self, budget_bytes: int) -> None:
-        """After each GEMM, hint the next GEMM's weight into L2 (ops/l2_prefetch.py): the
-        whole weight when it fits ``budget_bytes``, else the same head of every row (a decode
-        GEMM walks all its rows' K from the start at once). 0 turns the hints off. Changes no
-        value: a hint only moves when bytes arrive."""
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
-                or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
-        chain: list[LinearBase] = []
-        for layer in self.layers:
-            chain += [layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                      layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        targets = [lin.gemm_operand for lin in chain[1:]] + [head]
-        for lin, w in zip(chain, targets, strict=True):
-            cols = min(w.shape[1], budget_bytes // (w.shape[0] * w.element_size()))
-            lin.prefetch_after = (w, cols) if cols > 0 else None
-
     # ---- KV cache ----
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
