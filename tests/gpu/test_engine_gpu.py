@@ -223,3 +223,27 @@ def test_pdl_launches_give_the_bits_of_plain_launches(assets, monkeypatch, level
     monkeypatch.setenv("DETLORA_PDL", "1")
     pdl = _llm(model_dir, determinism=level).generate(prompts, params, mixed, use_tqdm=False)
     assert _diff(pdl, plain) == []
+
+
+def test_step_graphs_give_the_eager_bits(assets, monkeypatch):
+    """Prefill, chunked and mixed steps replayed from the step graphs (engine/step_graphs.py,
+    padded to their token and sequence buckets) give batch_invariant's eager bits."""
+    import detlora.engine.step_graphs as sg
+
+    model_dir, loras, prompts = assets
+    params = _params(len(prompts))
+    mixed = [loras[k % 2] if k % 3 else None for k in range(len(prompts))]
+    replays = []
+    run = sg.StepGraphs.run
+    monkeypatch.setattr(sg.StepGraphs, "run", lambda self, step: replays.append(
+        self.bucket_for(step)) or run(self, step))
+    kw = dict(determinism="batch_invariant", max_num_batched_tokens=256, max_model_len=256)
+    graphed = _llm(model_dir, **kw)
+    assert graphed.engine.runner.step_graphs is not None
+    out = _batched(graphed, prompts, params, mixed, 5)  # five prompts per call
+    assert len(replays) > 0 and len(set(replays)) > 1
+    monkeypatch.setattr(sg, "TOKEN_BUCKETS", ())
+    eager = _llm(model_dir, **kw)
+    assert eager.engine.runner.step_graphs is None
+    ref = _batched(eager, prompts, params, mixed, 5)
+    assert _diff(out, ref) == []

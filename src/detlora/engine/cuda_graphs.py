@@ -91,6 +91,7 @@ class DecodeGraphs:
         self.groups: dict[int, AdapterGroups] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.pool: object | None = None  # the graphs' memory pool, once captured
 
     def _group_views(self, b: int) -> AdapterGroups:
         """Adapter groups of bucket ``b`` as views of the int32 buffer."""
@@ -128,7 +129,7 @@ class DecodeGraphs:
         """Capture every bucket, largest first, sharing one memory pool."""
         from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
 
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
             if self.num_adapters is not None:

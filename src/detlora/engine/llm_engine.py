@@ -150,7 +150,7 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             num_adapters=config.max_loras if config.enable_lora else None,
-            use_cuda_graphs=use_graphs,
+            use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(

@@ -1,10 +1,12 @@
 """Runs the model for one scheduled step: KV pages, ForwardBatch, eager or CUDA-graph forward.
 
 The runner owns the paged KV cache (allocated through the model, which binds the per-layer
-pages to its attention layers) and, on CUDA unless ``enforce_eager``, the decode graphs.
-Mixed and prefill steps run eagerly; a step where every sequence decodes one token replays
-the graph of its padded batch size. It returns the logits of the rows that sample in the
-model dtype (the LM head's output, not upcast: the sampler reads it as it is).
+pages to its attention layers) and, on CUDA unless ``enforce_eager``, the CUDA graphs: a step
+where every sequence decodes one token replays the decode graph of its padded batch size
+(cuda_graphs.py); another step replays the step graph of its padded token and sequence
+counts (step_graphs.py) when one holds it, else runs eagerly. It returns the logits of the
+rows that sample in the model dtype (the LM head's output, not upcast: the sampler reads it
+as it is).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from detlora.engine.cuda_graphs import DecodeGraphs
+from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
@@ -34,6 +37,7 @@ class ModelRunner:
         max_model_len: int,
         num_adapters: int | None,
         use_cuda_graphs: bool,
+        max_num_batched_tokens: int | None = None,  # prefill graphs up to this many tokens
     ) -> None:
         self.model = model
         self.greedy_head = greedy_head
@@ -43,16 +47,17 @@ class ModelRunner:
         self.num_adapters = num_adapters
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graph_error: str | None = None
         if use_cuda_graphs and device.type == "cuda":
-            self._capture(max_num_seqs)
+            self._capture(max_num_seqs, max_num_batched_tokens or 0)
 
     @property
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def _capture(self, max_num_seqs: int) -> None:
+    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         graphs = DecodeGraphs(
             self._decode_forward,
             device=self.device,
@@ -61,18 +66,28 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             num_adapters=self.num_adapters,
         )
+        buckets = step_graph_buckets(max_num_batched_tokens, max_num_seqs)
+        step_graphs = StepGraphs(
+            self._decode_forward, device=self.device, feed=graphs.feed, buckets=buckets,
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            max_model_len=self.max_model_len, num_adapters=self.num_adapters,
+        ) if buckets else None
         try:
             with torch.inference_mode():
                 graphs.capture()
+                if step_graphs is not None:
+                    step_graphs.capture(graphs.pool)
         except Exception as e:  # a kernel that syncs the host cannot be captured
             self.graph_error = f"{type(e).__name__}: {e}"
             warnings.warn(
-                f"CUDA-graph capture failed, decode steps run eagerly ({self.graph_error})",
+                f"CUDA-graph capture failed, steps run eagerly ({self.graph_error})",
                 RuntimeWarning, stacklevel=3,
             )
             torch.cuda.synchronize(self.device)
             return
         self.graphs = graphs
+        self.step_graphs = step_graphs
 
     def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """What a decode graph computes: the logits, and the greedy head's [B, 2] when set
@@ -131,6 +146,11 @@ class ModelRunner:
         a decode graph, the greedy head's [B, 2]), or None if no row samples."""
         if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
             out = self.graphs.run(step)
+            return StepLogits(out[0], out[1] if len(out) > 1 else None)
+        if self.step_graphs is not None and self.step_graphs.bucket_for(step) is not None:
+            out = self.step_graphs.run(step)
+            if not step.logits_indices:
+                return None
             return StepLogits(out[0], out[1] if len(out) > 1 else None)
         batch = self.forward_batch(step)
         if not step.logits_indices:

@@ -1,0 +1,225 @@
+"""CUDA graphs for prefill and mixed steps: one graph per (token bucket, sequence bucket).
+
+An eager step launches ~370 kernels, and each costs the host tens of microseconds of Python
+(argument checks, Triton's launcher): a 100-token prefill of the 3B bench model spends ~30 ms
+enqueueing ~3.5 ms of GPU work (benchmarks/results/prefill_host.json). A step of T tokens
+from S sequences replays instead the graph of the smallest captured (Tb >= T, Sb >= S).
+
+Layout of a bucket's inputs (static buffers, views of the largest bucket's):
+    tokens 0..T-1        the step's rows, as the eager ForwardBatch has them;
+    tokens T..Tb-1       padding: token 0 at positions 0, 1, ..., KV slot -1 (nothing is
+                         written), no adapter;
+    sequences 0..S-1     the step's; sequences S..Sb-1 are empty (no query rows, no context);
+    sequence Sb          the padding tokens' own sequence (context = its Tb - T rows, on page
+                         0), so every token row belongs to a sequence and query_start_loc
+                         ends at Tb, as the attention kernels require.
+``max_query_len`` is Tb and ``max_seq_len`` the engine's ``max_model_len`` (upper bounds
+only). Every op treats rows independently, so padding changes no real row; under
+``batch_invariant`` a row's bits do not depend on the row count either, so a replay gives
+the eager step's bits (tests/gpu proves it). The logits rows are the step's
+``logits_indices``, padded with row 0.
+
+Rows fed from the previous step (input id ``-1 - r``: the token sampled for its row r, which
+the engine leaves in ``feed``) are gathered inside the graph, as in the decode graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from detlora.engine.copy_fence import CopyFence
+from detlora.engine.step_inputs import StepInputs
+from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+SEQ_BUCKETS = (1, 4, 16)
+
+
+def step_graph_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(token bucket, sequence bucket) pairs to capture, smallest first: tokens up to
+    ``max_num_batched_tokens`` (and 2048), sequences up to ``max_num_seqs`` (and 16)."""
+    tokens = [t for t in TOKEN_BUCKETS if t <= max_num_batched_tokens]
+    seqs = [s for s in SEQ_BUCKETS if s <= max_num_seqs]
+    return [(t, s) for t in tokens for s in seqs if s <= t]
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
+        *,
+        device: torch.device,
+        feed: torch.Tensor,  # int64: the tokens the previous step sampled, one per row
+        buckets: list[tuple[int, int]],
+        block_size: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        num_adapters: int | None,  # adapter slots, None without LoRA
+    ) -> None:
+        if not buckets:
+            raise ValueError("StepGraphs needs at least one (tokens, sequences) bucket")
+        self.forward = forward
+        self.device = device
+        self.feed = feed
+        self.buckets = sorted(buckets)
+        self.max_model_len = max_model_len
+        self.num_adapters = num_adapters
+        t = self.t_max = max(b[0] for b in self.buckets)
+        s = self.s_max = max(b[1] for b in self.buckets)
+        self.max_groups = min(t, num_adapters + 1) if num_adapters is not None else 0
+        # The padding sequence may be as long as a whole bucket, whatever max_model_len.
+        width = max(max_blocks_per_seq, -(-t // block_size))
+        # int64 [4t + s]: input ids, positions, slot_mapping, fed source (-1: staged id),
+        # then logits_indices. int32: token_adapter [t], sorted_rows [t], group_start,
+        # group_size, group_adapter [max_groups each], seq_lens [s + 1],
+        # query_start_loc [s + 2].
+        g = self.max_groups
+        self._n32 = 2 * t + 3 * g + (s + 1) + (s + 2)
+        self._i64 = torch.zeros(4 * t + s, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s + 1, width, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._h64 = torch.zeros(4 * t + s, dtype=torch.int64, pin_memory=pin)
+        self._h32 = torch.zeros(self._n32, dtype=torch.int32, pin_memory=pin)
+        self._htables = torch.zeros(s + 1, width, dtype=torch.int32, pin_memory=pin)
+        self._fence = CopyFence()  # the host twins are refilled only after their copies ran
+        rows = self._i64[: 4 * t].view(4, t)
+        self.input_ids, self.positions, self.slot_mapping, self.fed_src = rows.unbind(0)
+        self.logits_indices = self._i64[4 * t:]
+        self.token_adapter = self._i32[:t]
+        self._sorted_rows = self._i32[t: 2 * t]
+        self._groups_at = 2 * t
+        self.seq_lens = self._i32[2 * t + 3 * g: 2 * t + 3 * g + s + 1]
+        self.query_start_loc = self._i32[2 * t + 3 * g + s + 1:]
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    # ---- buckets ----
+
+    def bucket_for(self, step: StepInputs) -> tuple[int, int] | None:
+        """The smallest captured bucket that holds ``step``, or None (run it eagerly)."""
+        for tb, sb in self.buckets:
+            if tb >= step.num_tokens and sb >= step.num_seqs:
+                return (tb, sb)
+        return None
+
+    # ---- the graph's view of the buffers ----
+
+    def _groups(self, tb: int) -> AdapterGroups:
+        assert self.num_adapters is not None
+        g, lo = min(tb, self.num_adapters + 1), self._groups_at
+        gmax = self.max_groups
+        return AdapterGroups(
+            token_adapter=self.token_adapter[:tb],
+            sorted_rows=self._sorted_rows[:tb],
+            group_start=self._i32[lo: lo + g],
+            group_size=self._i32[lo + gmax: lo + gmax + g],
+            group_adapter=self._i32[lo + 2 * gmax: lo + 2 * gmax + g],
+            num_adapters=self.num_adapters,
+        )
+
+    def batch(self, tb: int, sb: int) -> ForwardBatch:
+        """The ForwardBatch a (tb, sb) graph computes on: views of the static buffers."""
+        fed_src = self.fed_src[:tb]
+        fed = self.feed.index_select(0, fed_src.clamp(min=0))
+        input_ids = torch.where(fed_src >= 0, fed, self.input_ids[:tb])
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tb],
+            block_tables=self.block_tables[: sb + 1],
+            seq_lens=self.seq_lens[: sb + 1],
+            query_start_loc=self.query_start_loc[: sb + 2],
+            max_query_len=tb,
+            max_seq_len=self.max_model_len,
+        )
+        lora = LoRABatch(self._groups(tb)) if self.num_adapters is not None else None
+        return ForwardBatch(input_ids, self.positions[:tb], attn, self.logits_indices[:sb],
+                            lora)
+
+    # ---- staging ----
+
+    def stage(self, step: StepInputs, bucket: tuple[int, int]) -> None:
+        """Copy ``step``'s inputs, padded to ``bucket`` (see the module docstring)."""
+        tb, sb = bucket
+        t, s, n = step.num_tokens, step.num_seqs, len(step.logits_indices)
+        if t > tb or s > sb or n > sb:
+            raise ValueError(f"a step of {t} tokens and {s} sequences does not fit bucket "
+                             f"{bucket}")
+        self._fence.wait()
+        pad = tb - t
+        tmax = self.t_max
+        h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
+        ids = step.input_ids
+        h64[0:tb] = [max(i, 0) for i in ids] + [0] * pad
+        h64[tmax: tmax + tb] = step.positions + list(range(pad))
+        h64[2 * tmax: 2 * tmax + tb] = step.slot_mapping + [-1] * pad
+        h64[3 * tmax: 3 * tmax + tb] = [-1 - i if i < 0 else -1 for i in ids] + [-1] * pad
+        h64[4 * tmax: 4 * tmax + sb] = step.logits_indices + [0] * (sb - n)
+        lens_at = self._groups_at + 3 * self.max_groups
+        qsl_at = lens_at + self.s_max + 1
+        h32[lens_at: lens_at + sb + 1] = step.seq_lens + [0] * (sb - s) + [pad]
+        h32[qsl_at: qsl_at + sb + 2] = step.query_start_loc + [t] * (sb - s) + [tb]
+        width = max(len(row) for row in step.block_tables)
+        for i, row in enumerate(step.block_tables):
+            tables[i, : len(row)] = row
+        tables[s: sb + 1, :width] = 0  # empty sequences and the padding one: page 0
+        if self.num_adapters is not None:
+            adapters = step.token_adapter + [-1] * pad
+            h32[:tb] = adapters
+            rows, start, size, adapter = group_tokens_host(adapters, self.num_adapters)
+            h32[tmax: tmax + tb] = rows
+            lo, gmax = self._groups_at, self.max_groups
+            for i, values in enumerate((start, size, adapter)):
+                h32[lo + i * gmax: lo + i * gmax + len(values)] = values
+        self._i64.copy_(self._h64, non_blocking=True)
+        self._i32.copy_(self._h32, non_blocking=True)
+        # Columns past ``width`` keep pages of earlier steps: real rows never read them, and
+        # the padding sequence may (garbage in, garbage out, nothing written).
+        self.block_tables[: sb + 1, :width].copy_(self._htables[: sb + 1, :width],
+                                                  non_blocking=True)
+        if self.device.type == "cuda":
+            self._fence.record()
+
+    # ---- capture and replay ----
+
+    def capture(self, pool: object) -> None:
+        """Capture every bucket, largest first, in the memory pool ``pool``."""
+        from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
+
+        stream = torch.cuda.Stream(self.device)
+        for bucket in reversed(self.buckets):
+            self._stage_empty(bucket)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with pdl_launches():
+                with torch.cuda.stream(stream):
+                    self.forward(self.batch(*bucket))  # warm-up: kernels, workspaces
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket] = self.forward(self.batch(*bucket))
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _stage_empty(self, bucket: tuple[int, int]) -> None:
+        """Inputs for capture: one token of sequence 0 (a one-token context), the rest
+        padding."""
+        step = StepInputs(input_ids=[0], positions=[0], slot_mapping=[-1], token_adapter=[-1],
+                          block_tables=[[0]], seq_lens=[1], query_start_loc=[0, 1],
+                          logits_indices=[0])
+        self.stage(step, bucket)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
+        """Replay the graph for ``step``; the forward's outputs cut to the step's logits
+        rows."""
+        bucket = self.bucket_for(step)
+        if bucket is None or bucket not in self.graphs:
+            raise ValueError(f"no step graph for {step.num_tokens} tokens of "
+                             f"{step.num_seqs} sequences")
+        self.stage(step, bucket)
+        self.graphs[bucket].replay()
+        n = len(step.logits_indices)
+        return tuple(o[:n] for o in self.outputs[bucket])

@@ -1,0 +1,144 @@
+"""The step graphs' static inputs (engine/step_graphs.py): what a prefill or mixed step stages
+is the eager step padded as documented, and a padded step gives the eager rows' bits.
+
+Graph capture needs CUDA (tests/gpu replays the graphs); staging and the padded forward run
+anywhere. On the CPU the engine's batch_invariant ops make a row's bits independent of the
+row count, so the padded forward must match the eager one bit for bit.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import random_prompts, same_outputs
+
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
+from detlora.engine.step_inputs import StepInputs
+from detlora.lora.request import LoRARequest
+from detlora.ops.adapter_groups import group_tokens
+
+PAGE = 4
+
+
+def _step() -> StepInputs:
+    """Three sequences: a 5-token prefill chunk after 2 cached tokens (adapter 1), a decode
+    row fed from the previous step's row 1 (no adapter), a decode row (adapter 0)."""
+    tables = [[3, 4], [6, 2, 9], [5]]
+    lens = [7, 10, 3]
+    pos = [2, 3, 4, 5, 6, 9, 2]
+    rows = [0] * 5 + [1, 2]
+    slots = [tables[r][p // PAGE] * PAGE + p % PAGE for r, p in zip(rows, pos, strict=True)]
+    return StepInputs(input_ids=[11, 12, 13, 14, 15, -2, 17], positions=pos, slot_mapping=slots,
+                      token_adapter=[1] * 5 + [-1, 0], block_tables=tables, seq_lens=lens,
+                      query_start_loc=[0, 5, 6, 7], logits_indices=[4, 6])
+
+
+def _graphs(num_adapters=2, buckets=((8, 1), (16, 4))) -> StepGraphs:
+    feed = torch.arange(100, 108, dtype=torch.int64)
+    return StepGraphs(lambda batch: (batch.input_ids,), device=torch.device("cpu"), feed=feed,
+                      buckets=list(buckets), block_size=PAGE, max_blocks_per_seq=3,
+                      max_model_len=12, num_adapters=num_adapters)
+
+
+def test_buckets_cover_tokens_and_sequences_up_to_the_limits():
+    assert step_graph_buckets(100, 2) == [(16, 1), (32, 1), (64, 1)]
+    pairs = step_graph_buckets(8192, 256)
+    assert pairs[:3] == [(16, 1), (16, 4), (16, 16)] and pairs[-1] == (2048, 16)
+    assert len(pairs) == 24 and step_graph_buckets(8, 4) == []
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it():
+    g = _graphs()
+    step = _step()
+    assert g.bucket_for(step) == (16, 4)
+    one = dataclasses.replace(step, seq_lens=[7], query_start_loc=[0, 5], block_tables=[[3, 4]],
+                              logits_indices=[4], input_ids=step.input_ids[:5],
+                              positions=step.positions[:5], slot_mapping=step.slot_mapping[:5],
+                              token_adapter=step.token_adapter[:5])
+    assert g.bucket_for(one) == (8, 1)
+    big = dataclasses.replace(step, input_ids=[1] * 17)
+    assert g.bucket_for(big) is None
+    with pytest.raises(ValueError, match="does not fit bucket"):
+        g.stage(step, (8, 1))
+
+
+def test_staged_inputs_are_the_step_padded_to_its_bucket():
+    g = _graphs()
+    step = _step()
+    g.stage(dataclasses.replace(step, block_tables=[[1, 1, 1]] * 3), (16, 4))  # stale columns
+    g.stage(step, (16, 4))
+    pad = 16 - 7
+    b = g.batch(16, 4)
+    # Row 5 is fed: the previous step's row 1 (feed[1] = 101); padding rows take token 0.
+    assert b.input_ids.tolist() == [11, 12, 13, 14, 15, 101, 17] + [0] * pad
+    assert b.positions.tolist() == step.positions + list(range(pad))
+    assert b.attn.slot_mapping.tolist() == step.slot_mapping + [-1] * pad
+    # Sequence 3 is empty; sequence 4 holds the padding rows, a context of their own on page 0.
+    assert b.attn.seq_lens.tolist() == [*step.seq_lens, 0, pad]
+    assert b.attn.query_start_loc.tolist() == [*step.query_start_loc, 7, 16]
+    assert b.attn.max_query_len == 16 and b.attn.max_seq_len == 12
+    for i, row in enumerate(step.block_tables):
+        assert b.attn.block_tables[i, : len(row)].tolist() == row
+    assert b.attn.block_tables[3:5, :3].tolist() == [[0, 0, 0]] * 2
+    assert b.attn.block_tables.shape[1] == 4  # the padding context may span the whole bucket
+    assert b.logits_indices.tolist() == [4, 6, 0, 0]
+    ref = group_tokens(torch.tensor(step.token_adapter + [-1] * pad, dtype=torch.int32), 2)
+    for name in ("token_adapter", "sorted_rows", "group_start", "group_size", "group_adapter"):
+        assert torch.equal(getattr(b.lora.groups, name), getattr(ref, name)), name
+
+
+def test_staging_without_lora_has_no_groups():
+    g = _graphs(num_adapters=None)
+    g.stage(_step(), (16, 4))
+    b = g.batch(16, 4)
+    assert b.lora is None and b.input_ids.shape[0] == 16
+
+
+class _Uncaptured(StepGraphs):
+    """Step graphs that run the padded forward instead of replaying a capture (CPU)."""
+
+    replays = 0
+
+    def run(self, step):
+        bucket = self.bucket_for(step)
+        self.stage(step, bucket)
+        _Uncaptured.replays += 1
+        out = self.forward(self.batch(*bucket))
+        return tuple(o[: len(step.logits_indices)] for o in out)
+
+
+def _engine(llama_dir, padded: bool, **kw) -> LLM:
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
+              determinism="batch_invariant", max_num_batched_tokens=64, **kw)
+    if padded:
+        runner = llm.engine.runner
+        runner.step_graphs = _Uncaptured(
+            runner._decode_forward, device=runner.device, feed=runner._feed,
+            buckets=step_graph_buckets(64, 16), block_size=runner.block_size,
+            max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+            max_model_len=runner.max_model_len, num_adapters=runner.num_adapters)
+    return llm
+
+
+def test_padded_steps_give_the_eager_bits(llama_dir, llama_adapters):
+    """Every step (prefill, chunked prefill, mixed, decode: the CPU has no decode graphs)
+    through the padded buckets: the same tokens and logprobs as the eager steps, bit for bit
+    (batch_invariant CPU ops). Fed rows (running ahead) are the GPU tests'."""
+    loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(llama_adapters)]
+    prompts = random_prompts(10, seed=5, lo=3, hi=60)
+    mixed = [loras[k % 2] if k % 3 else None for k in range(10)]
+    params = [SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True) if k % 2
+              else SamplingParams(max_tokens=6, logprobs=0, temperature=0.8, seed=k,
+                                  ignore_eos=True) for k in range(10)]
+    outs = {}
+    for padded in (False, True):
+        llm = _engine(llama_dir, padded, block_size=PAGE)
+        before = _Uncaptured.replays
+        outs[padded] = llm.generate(prompts, params, mixed, use_tqdm=False)
+        if padded:
+            assert _Uncaptured.replays > before  # the padded path really ran
+    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
+           if not same_outputs(a, b)]
+    assert not bad, f"outputs {bad} differ through the padded step buckets"
