@@ -30,7 +30,6 @@ import triton.language as tl
 
 from detlora.cli import results_meta
 from detlora.engine import model_runner
-from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches
 from detlora.ops.matmul import linear
 from detlora.study.engine_variants import time_variants
 from detlora.study.timing import time_graph_us
@@ -41,6 +40,8 @@ MB = 1 << 20
 
 
 def gemm_rows() -> list[dict]:
+    from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches  # at 71e86be only
+
     rows = []
     x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
@@ -98,6 +99,8 @@ def line_prefetch(w: torch.Tensor, nbytes: int) -> None:
 def warm_rows() -> list[dict]:
     """Is a decode GEMM faster with its weight already in L2? Same weight every step (warm)
     against rotated weights (cold); and the prefetch kernels alone, per MB hinted."""
+    from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches  # at 71e86be only
+
     rows = []
     x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
