@@ -7,7 +7,8 @@
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
 #                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
 #                     [attention-prologue] [ops-attention] [attention-stages]
-#                     [matmul-regions] [l2-prefetch] [prefill-host] ...
+#                     [matmul-regions] [l2-prefetch] [prefill-host]
+#                     [staggered-arrivals] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           || status=1 ;;
     attention-stages) python3 benchmarks/experiments/attention_stages.py \
                         "$OUT/attention_stages.json" || status=1 ;;
+    staggered-arrivals) python3 benchmarks/experiments/staggered_arrivals.py \
+                          "$OUT/staggered_arrivals.json" || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
                     || status=1 ;;
     # l2-prefetch measures an op that exists at 4618b7a..71e86be only (see the script)
