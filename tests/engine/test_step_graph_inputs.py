@@ -109,8 +109,8 @@ class _Uncaptured(StepGraphs):
         return tuple(o[: len(step.logits_indices)] for o in out)
 
 
-def _engine(llama_dir, padded: bool, **kw) -> LLM:
-    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
+def _engine(model_dir, padded: bool, **kw) -> LLM:
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
               determinism="batch_invariant", max_num_batched_tokens=64, **kw)
     if padded:
         runner = llm.engine.runner
@@ -122,11 +122,16 @@ def _engine(llama_dir, padded: bool, **kw) -> LLM:
     return llm
 
 
-def test_padded_steps_give_the_eager_bits(llama_dir, llama_adapters):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_padded_steps_give_the_eager_bits(request, kind):
     """Every step (prefill, chunked prefill, mixed, decode: the CPU has no decode graphs)
     through the padded buckets: the same tokens and logprobs as the eager steps, bit for bit
-    (batch_invariant CPU ops). Fed rows (running ahead) are the GPU tests'."""
-    loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(llama_adapters)]
+    (batch_invariant CPU ops; Qwen3 adds q/k norms). Fed rows (running ahead) are the GPU
+    tests'."""
+    model_dir = request.getfixturevalue(f"{kind}_dir")
+    adapters = (request.getfixturevalue("llama_adapters") if kind == "llama"
+                else [request.getfixturevalue("qwen3_adapter")] * 2)
+    loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
     prompts = random_prompts(10, seed=5, lo=3, hi=60)
     mixed = [loras[k % 2] if k % 3 else None for k in range(10)]
     params = [SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True) if k % 2
@@ -134,7 +139,7 @@ def test_padded_steps_give_the_eager_bits(llama_dir, llama_adapters):
                                   ignore_eos=True) for k in range(10)]
     outs = {}
     for padded in (False, True):
-        llm = _engine(llama_dir, padded, block_size=PAGE)
+        llm = _engine(model_dir, padded, block_size=PAGE)
         before = _Uncaptured.replays
         outs[padded] = llm.generate(prompts, params, mixed, use_tqdm=False)
         if padded:
