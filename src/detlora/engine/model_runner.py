@@ -90,7 +90,7 @@ class ModelRunner:
         self.step_graphs = step_graphs
 
     def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """What a decode graph computes: the logits, and the greedy head's [B, 2] when set
+        """What a decode or step graph computes: the logits, and the greedy head's [B, 2] when set
         (row-wise, so a padded bucket gives every real row its own bits)."""
         logits = self.model(batch, upcast=False)
         if self.greedy_head is None:
