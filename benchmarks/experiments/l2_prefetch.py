@@ -39,16 +39,21 @@ CYCLES_PER_US = 1980  # H200 SM clock under load (nvidia_smi.txt)
 MB = 1 << 20
 
 
+def _operands(n: int, k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Enough distinct [n, k] weights (160 MB, three at least) that none stays in L2 from one
+    step to the next, and one input row of k."""
+    copies = max(3, -(-160 * MB // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return ws, torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+
 def gemm_rows() -> list[dict]:
     from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches  # at 71e86be only
 
     rows = []
-    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
-        copies = max(3, -(-160 * MB // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(copies)]
-        xk = x[:, :k].contiguous()
+        ws, xk = _operands(n, k)
+        copies = len(ws)
         for impl, fn in (("detlora", linear), ("cublas", F.linear)):
             for window_us in (0, 5, 10):
                 for budget_mb in (0, 16, 32, 48):
@@ -102,12 +107,9 @@ def warm_rows() -> list[dict]:
     from detlora.ops.l2_prefetch import l2_prefetch, l2_prefetches  # at 71e86be only
 
     rows = []
-    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
     for name, (n, k) in SHAPES.items():
-        copies = max(3, -(-160 * MB // (n * k * 2)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(copies)]
-        xk = x[:, :k].contiguous()
+        ws, xk = _operands(n, k)
+        copies = len(ws)
         w0 = ws[0]
         for impl, fn in (("detlora", linear), ("cublas", F.linear)):
             cold = time_graph_us([functools.partial(fn, xk, w, None) for w in ws], replays=20)
