@@ -185,6 +185,32 @@ def test_prefill_chunked_decode_and_prefix_rows_agree(model):
             check(row, p, f"decode {p} kv_ctas {ctas}")
 
 
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_tile_gives_the_prefill_tile_bits(model, dtype):
+    """Decode steps on the 16-row tile (max_query_len known) against the same rows of one
+    prefill on the 64-row tile: every 7th position of 3000, batched and alone, split over
+    CTAs and not, and decode batches of several sequences."""
+    hq, hk = MODELS[model]
+    assert pa.call_tile_config(D, hq // hk, 1, dtype).block_m == 16
+    length = 3000
+    pool = Pool([length, 1700, 9000], hq, hk, seed=8, dtype=dtype)
+    full = pool.attend([(0, 0, length)])[0]
+    others = {1: pool.attend([(1, 0, 1700)])[0], 2: pool.attend([(2, 0, 9000)])[0]}
+    steps = [*range(0, length, 7), 511, 512, 513, length - 1]
+    for kw in ({}, {"kv_ctas": 1}, {"kv_ctas": 6}):
+        rows = pool.attend([(0, p, p + 1) for p in steps], max_query_len=1, **kw)
+        for p, row in zip(steps, rows, strict=True):
+            assert torch.equal(row, full[p:p + 1]), (p, kw)
+    for p in steps[::10]:
+        assert torch.equal(pool.attend([(0, p, p + 1)], max_query_len=1)[0], full[p:p + 1]), p
+    for n1, n2 in ((1700, 9000), (900, 4097), (1, 64)):
+        got = pool.attend([(1, n1 - 1, n1), (2, n2 - 1, n2), (0, 2999, 3000)], max_query_len=1)
+        assert torch.equal(got[0], others[1][n1 - 1:n1]), n1
+        assert torch.equal(got[1], others[2][n2 - 1:n2]), n2
+        assert torch.equal(got[2], full[2999:3000])
+
+
 def test_split_decode_repeats_bitwise():
     pool = Pool([8192, 5000, 77, 1], 24, 8, seed=6)
     pieces = [(s, n - 1, n) for s, n in enumerate(pool.lens)]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from detlora.ops import paged_attention as pa
 from detlora.ops.paged_attention_split_kv import paged_attention_split_kv
@@ -349,3 +351,36 @@ def test_default_kv_ctas_splits_only_few_tiles():
     assert pa.default_kv_ctas(128, 1000) == 3
     assert pa.default_kv_ctas(256, 1000) == 1
     assert pa.default_kv_ctas(8, pa._MAX_SCRATCH_FLOATS + 1) == 1
+
+
+@triton.jit
+def _row_sum_64_kernel(x_ptr, out_ptr, M: tl.constexpr):
+    rows = tl.arange(0, M)[:, None]
+    x = tl.load(x_ptr + rows * 64 + tl.arange(0, 64)[None, :])
+    tl.store(out_ptr + tl.arange(0, M), pa.row_sum_64(x))
+
+
+def test_row_sum_64_is_the_fixed_pairwise_tree():
+    """The softmax denominator's block sum is the documented tree, bit for bit; values of
+    mixed magnitude make any other order round differently in some row."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(16, 64, generator=g) * torch.logspace(-8, 0, 64)[torch.randperm(64,
+         generator=g)]).float()
+    out = torch.empty(16)
+    _row_sum_64_kernel[(1,)](x, out, M=16)
+    want = pa.row_sum_64_ref(x)
+    assert torch.equal(out, want)
+    assert torch.allclose(want.double(), x.double().sum(1), rtol=1e-6)
+    assert not torch.equal(want, x.sum(1))  # the order matters for these values
+
+
+def test_decode_tile_only_where_every_query_fits():
+    small, big = pa.decode_tile_config(128, 3), pa.tile_config(128, 3)
+    assert small is not None and small.block_m == 16 and big.block_m == 64
+    assert pa.call_tile_config(128, 3, 1, torch.bfloat16) == small
+    assert pa.call_tile_config(128, 3, 5, torch.float16) == small  # 5 queries x 3 heads
+    assert pa.call_tile_config(128, 3, 6, torch.bfloat16) == big
+    assert pa.call_tile_config(128, 3, None, torch.bfloat16) == big  # unknown on the host
+    assert pa.call_tile_config(128, 3, 1, torch.float32) == big
+    assert pa.call_tile_config(128, 32, 1, torch.bfloat16) == pa.tile_config(128, 32)
+    assert pa.call_tile_config(256, 2, 1, torch.bfloat16) == pa.tile_config(256, 2)
