@@ -8,7 +8,7 @@
 #                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
 #                     [attention-prologue] [ops-attention] [attention-stages]
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
-#                     [staggered-arrivals] ...
+#                     [staggered-arrivals] [attention-decode-ctas] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +81,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
     # l2-prefetch measures an op that exists at 4618b7a..71e86be only (see the script)
     l2-prefetch) python3 benchmarks/experiments/l2_prefetch.py "$OUT/l2_prefetch.json" \
                    || status=1 ;;
+    attention-decode-ctas) python3 benchmarks/experiments/attention_decode_ctas.py \
+                             "$OUT/attention_decode_ctas.json" || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \
                       "$OUT/matmul_regions.json" || status=1 ;;
     ops-attention) python3 -m detlora.study.bi_ops_bench --parts attention \
