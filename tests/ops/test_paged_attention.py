@@ -347,8 +347,12 @@ def test_write_kv_bad_inputs():
 def test_default_kv_ctas_splits_only_few_tiles():
     # Batch 1 and 16 of 8 KV heads split (8 and 128 pairs), batch 32 does not (256 pairs:
     # attention_split_threshold.json); scratch past its cap never splits.
-    assert pa.default_kv_ctas(8, 1000) == 33
-    assert pa.default_kv_ctas(128, 1000) == 3
+    # The count is a power of two (264 / pairs rounded down): attention_decode_ctas.json.
+    assert pa.default_kv_ctas(8, 1000) == 32
+    assert pa.default_kv_ctas(32, 1000) == 8
+    assert pa.default_kv_ctas(64, 1000) == 4
+    assert pa.default_kv_ctas(128, 1000) == 2
+    assert pa.default_kv_ctas(191, 1000) == 1
     assert pa.default_kv_ctas(256, 1000) == 1
     assert pa.default_kv_ctas(8, pa._MAX_SCRATCH_FLOATS + 1) == 1
 
