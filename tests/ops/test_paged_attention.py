@@ -352,7 +352,7 @@ def test_default_kv_ctas_splits_only_few_tiles():
     assert pa.default_kv_ctas(32, 1000) == 8
     assert pa.default_kv_ctas(64, 1000) == 4
     assert pa.default_kv_ctas(128, 1000) == 2
-    assert pa.default_kv_ctas(191, 1000) == 1
+    assert pa.default_kv_ctas(191, 1000) == 2
     assert pa.default_kv_ctas(256, 1000) == 1
     assert pa.default_kv_ctas(8, pa._MAX_SCRATCH_FLOATS + 1) == 1
 
