@@ -314,3 +314,22 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     for r in (prefill_multi, prefill_single):
         assert not r["split"] and r["ptx"].get("wgmma.mma_async", 0) > 0, r
     assert prefill_single["block_m"] * 256 == 128 * 256 and not prefill_single["multi"]
+
+
+def test_outgrown_workspace_buffers_stay_alive():
+    """A graph captured before a workspace grows keeps pointing at the old buffers: growing
+    must not free them (they would be handed out again while the graph still writes them)."""
+    import gc
+    import weakref
+
+    ws = MatmulWorkspace("cpu")
+    old_scratch, old_counters = ws.scratch(100), ws.counters(10)
+    refs = [weakref.ref(old_scratch._base), weakref.ref(old_counters._base)]
+    del old_scratch, old_counters
+    ws.scratch(ws.scratch_capacity + 1)
+    ws.counters(ws.counter_capacity + 1)
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert len(ws.retired) == 2
+    ws.scratch(10)  # no growth, nothing retired
+    assert len(ws.retired) == 2

@@ -388,3 +388,19 @@ def test_decode_tile_only_where_every_query_fits():
     assert pa.call_tile_config(128, 3, 1, torch.float32) == big
     assert pa.call_tile_config(128, 32, 1, torch.bfloat16) == pa.tile_config(128, 32)
     assert pa.call_tile_config(256, 2, 1, torch.bfloat16) == pa.tile_config(256, 2)
+
+
+def test_outgrown_counters_stay_alive():
+    """Graphs captured before the split-KV counters grow keep using the old buffer."""
+    import gc
+    import weakref
+
+    counters = pa._Counters()
+    first = counters.get(torch.device("cpu"), 10)
+    ref = weakref.ref(first._base)
+    del first
+    counters.get(torch.device("cpu"), 5000)
+    gc.collect()
+    assert ref() is not None and len(counters.retired) == 1
+    assert counters.get(torch.device("cpu"), 5000).numel() == 5000  # no growth, none retired
+    assert len(counters.retired) == 1

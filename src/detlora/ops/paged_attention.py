@@ -814,10 +814,12 @@ def search_block(num_seqs: int) -> int:
 
 class _Counters:
     """Self-resetting int32 arrival counters for the split-KV fold, one buffer per device,
-    zeroed once at allocation (the last CTA of a tile puts its counter back to zero)."""
+    zeroed once at allocation (the last CTA of a tile puts its counter back to zero). An
+    outgrown buffer stays alive (``retired``): graphs captured before the growth use it."""
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
 
     def get(self, device: torch.device, numel: int) -> torch.Tensor | None:
         """At least ``numel`` zeros, or None when growing is impossible (graph capture)."""
@@ -825,6 +827,8 @@ class _Counters:
         if buf is None or buf.numel() < numel:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
+            if buf is not None:
+                self.retired.append(buf)
             buf = torch.zeros(max(4096, next_power_of_2(numel)), dtype=torch.int32,
                               device=device)
             self._buffers[device] = buf

@@ -6,6 +6,13 @@ it), so the counters are zeroed once, at allocation, and never again.
 
 One workspace serves one stream at a time: two such kernels running concurrently on different
 streams must not share one.
+
+A buffer that grows is replaced, and the old one is kept alive (``retired``) for the
+workspace's life: a CUDA graph captured before the growth still points at it. The engine
+captures its decode graphs before its step graphs, whose larger warm-up steps may grow a
+shared workspace; freeing the old buffer then would let every later decode replay write into
+memory the allocator has handed out again, or returned to the driver. Sizes double, so the
+retired buffers together hold less than the current ones.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ class SplitWorkspace:
         self.device = torch.device(device)
         self._scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self._counters = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.retired: list[torch.Tensor] = []  # outgrown buffers, alive for captured graphs
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A flat FP32 buffer of at least ``numel`` elements (contents undefined)."""
         if self._scratch.numel() < numel:
             self._check_not_capturing("scratch", numel)
+            self._retire(self._scratch)
             self._scratch = torch.empty(_grow(numel), dtype=torch.float32, device=self.device)
         return self._scratch[:numel]
 
@@ -36,6 +45,7 @@ class SplitWorkspace:
         """A flat int32 buffer of at least ``numel`` zeros (kept at zero by the kernel)."""
         if self._counters.numel() < numel:
             self._check_not_capturing("counters", numel)
+            self._retire(self._counters)
             self._counters = torch.zeros(_grow(numel), dtype=torch.int32, device=self.device)
         return self._counters[:numel]
 
@@ -51,6 +61,10 @@ class SplitWorkspace:
     @property
     def counter_capacity(self) -> int:
         return self._counters.numel()
+
+    def _retire(self, buffer: torch.Tensor) -> None:
+        if buffer.numel():
+            self.retired.append(buffer)
 
     def _check_not_capturing(self, what: str, numel: int) -> None:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
