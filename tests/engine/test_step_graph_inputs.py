@@ -73,7 +73,7 @@ def test_staged_inputs_are_the_step_padded_to_its_bucket():
     b = g.batch(16, 4)
     # Row 5 is fed: the previous step's row 1 (feed[1] = 101); padding rows take token 0.
     assert b.input_ids.tolist() == [11, 12, 13, 14, 15, 101, 17] + [0] * pad
-    assert b.positions.tolist() == step.positions + list(range(pad))
+    assert b.positions.tolist() == step.positions + [0] * pad
     assert b.attn.slot_mapping.tolist() == step.slot_mapping + [-1] * pad
     # Sequence 3 is empty; sequence 4 holds the padding rows, a context of their own on page 0.
     assert b.attn.seq_lens.tolist() == [*step.seq_lens, 0, pad]
@@ -87,6 +87,23 @@ def test_staged_inputs_are_the_step_padded_to_its_bucket():
     ref = group_tokens(torch.tensor(step.token_adapter + [-1] * pad, dtype=torch.int32), 2)
     for name in ("token_adapter", "sorted_rows", "group_start", "group_size", "group_adapter"):
         assert torch.equal(getattr(b.lora.groups, name), getattr(ref, name)), name
+
+
+def test_padding_rows_stay_inside_the_rotary_table():
+    """A bucket may hold more rows than max_model_len; every staged position must still be a
+    row of the rotary table (max_model_len rows): the kernels read cos/sin at each row's
+    position unchecked, and a padding row past the table read outside its allocation (an
+    illegal memory access on the H200 when the table ended an allocator segment)."""
+    from detlora.ops.rotary import check_positions
+
+    g = _graphs(buckets=((32, 4),))  # max_model_len 12
+    one = StepInputs(input_ids=[5], positions=[11], slot_mapping=[7], token_adapter=[-1],
+                     block_tables=[[0, 1, 2]], seq_lens=[12], query_start_loc=[0, 1],
+                     logits_indices=[0])
+    g.stage(one, (32, 4))
+    positions = g.batch(32, 4).positions
+    assert positions.tolist() == [11] + [0] * 31
+    check_positions(positions, g.max_model_len)  # raises for a position past the table
 
 
 def test_staging_without_lora_has_no_groups():

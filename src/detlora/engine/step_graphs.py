@@ -7,8 +7,9 @@ from S sequences replays instead the graph of the smallest captured (Tb >= T, Sb
 
 Layout of a bucket's inputs (static buffers, views of the largest bucket's):
     tokens 0..T-1        the step's rows, as the eager ForwardBatch has them;
-    tokens T..Tb-1       padding: token 0 at positions 0, 1, ..., KV slot -1 (nothing is
-                         written), no adapter;
+    tokens T..Tb-1       padding: token 0 at position 0, KV slot -1 (nothing is written),
+                         no adapter (position 0: the rotary table has max_model_len rows,
+                         fewer than a bucket's; rotating a padding row reads its row);
     sequences 0..S-1     the step's; sequences S..Sb-1 are empty (no query rows, no context);
     sequence Sb          the padding tokens' own sequence (context = its Tb - T rows, on page
                          0), so every token row belongs to a sequence and query_start_loc
@@ -153,7 +154,7 @@ class StepGraphs:
         h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
         ids = step.input_ids
         h64[0:tb] = [max(i, 0) for i in ids] + [0] * pad
-        h64[tmax: tmax + tb] = step.positions + list(range(pad))
+        h64[tmax: tmax + tb] = step.positions + [0] * pad
         h64[2 * tmax: 2 * tmax + tb] = step.slot_mapping + [-1] * pad
         h64[3 * tmax: 3 * tmax + tb] = [-1 - i if i < 0 else -1 for i in ids] + [-1] * pad
         h64[4 * tmax: 4 * tmax + sb] = step.logits_indices + [0] * (sb - n)
