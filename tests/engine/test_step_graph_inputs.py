@@ -164,3 +164,26 @@ def test_padded_steps_give_the_eager_bits(request, kind):
     bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
            if not same_outputs(a, b)]
     assert not bad, f"outputs {bad} differ through the padded step buckets"
+
+
+def test_padded_steps_with_buckets_past_max_model_len(request):
+    """Buckets of up to 64 rows under a max_model_len of 24: padding rows outnumber the rotary
+    table's rows, and every padded step must still give the eager bits (the CPU reference ops
+    index the table, so a padding position past it raises here)."""
+    model_dir = request.getfixturevalue("llama_dir")
+    loras = [LoRARequest(f"a{k}", k + 1, str(p))
+             for k, p in enumerate(request.getfixturevalue("llama_adapters"))]
+    # 39 prompt tokens: the first step fills the 64-row bucket with 25 padding rows.
+    prompts = [p[:12] for p in random_prompts(3, seed=9, lo=12, hi=13)] + [[5, 6, 7]]
+    mixed = [loras[0], None, loras[1], loras[0]]
+    params = [SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True)] * 4
+    outs = {}
+    for padded in (False, True):
+        llm = _engine(model_dir, padded, block_size=PAGE, max_model_len=24)
+        before = _Uncaptured.replays
+        outs[padded] = llm.generate(prompts, params, mixed, use_tqdm=False)
+        if padded:
+            assert _Uncaptured.replays > before
+    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
+           if not same_outputs(a, b)]
+    assert not bad, f"outputs {bad} differ through the padded step buckets"
