@@ -15,6 +15,12 @@ loads, not the MMA chain, so the bits should not change. A variant that fails to
 recorded with its error.
 
     PYTHONPATH=src python benchmarks/experiments/matmul_warp_specialize.py OUT.json
+
+Outcome at 7ed3600 (``benchmarks/gpu.sh matmul-ws``, H200): no point finished in 380 s and no
+row was written (rows are saved after each point), so the run stopped inside the first point
+(llama qkv at M = 256: cuBLAS, the default kernel, then ws_k on the split path, 128x128 tile).
+A warp-specialized kernel that never returns is the likely cause; not established, and not
+pursued further (the session's device time was spent). No result file.
 """
 
 import dataclasses
