@@ -139,6 +139,19 @@ def _engine(model_dir, padded: bool, **kw) -> LLM:
     return llm
 
 
+def _assert_padded_gives_eager_bits(model_dir, prompts, params, loras, **kw) -> None:
+    outs = {}
+    for padded in (False, True):
+        llm = _engine(model_dir, padded, block_size=PAGE, **kw)
+        before = _Uncaptured.replays
+        outs[padded] = llm.generate(prompts, params, loras, use_tqdm=False)
+        if padded:
+            assert _Uncaptured.replays > before  # the padded path really ran
+    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
+           if not same_outputs(a, b)]
+    assert not bad, f"outputs {bad} differ through the padded step buckets"
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_padded_steps_give_the_eager_bits(request, kind):
     """Every step (prefill, chunked prefill, mixed, decode: the CPU has no decode graphs)
@@ -154,16 +167,7 @@ def test_padded_steps_give_the_eager_bits(request, kind):
     params = [SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True) if k % 2
               else SamplingParams(max_tokens=6, logprobs=0, temperature=0.8, seed=k,
                                   ignore_eos=True) for k in range(10)]
-    outs = {}
-    for padded in (False, True):
-        llm = _engine(model_dir, padded, block_size=PAGE)
-        before = _Uncaptured.replays
-        outs[padded] = llm.generate(prompts, params, mixed, use_tqdm=False)
-        if padded:
-            assert _Uncaptured.replays > before  # the padded path really ran
-    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
-           if not same_outputs(a, b)]
-    assert not bad, f"outputs {bad} differ through the padded step buckets"
+    _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed)
 
 
 def test_padded_steps_with_buckets_past_max_model_len(request):
@@ -177,13 +181,4 @@ def test_padded_steps_with_buckets_past_max_model_len(request):
     prompts = [p[:12] for p in random_prompts(3, seed=9, lo=12, hi=13)] + [[5, 6, 7]]
     mixed = [loras[0], None, loras[1], loras[0]]
     params = [SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True)] * 4
-    outs = {}
-    for padded in (False, True):
-        llm = _engine(model_dir, padded, block_size=PAGE, max_model_len=24)
-        before = _Uncaptured.replays
-        outs[padded] = llm.generate(prompts, params, mixed, use_tqdm=False)
-        if padded:
-            assert _Uncaptured.replays > before
-    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
-           if not same_outputs(a, b)]
-    assert not bad, f"outputs {bad} differ through the padded step buckets"
+    _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed, max_model_len=24)

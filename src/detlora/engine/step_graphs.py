@@ -8,8 +8,9 @@ from S sequences replays instead the graph of the smallest captured (Tb >= T, Sb
 Layout of a bucket's inputs (static buffers, views of the largest bucket's):
     tokens 0..T-1        the step's rows, as the eager ForwardBatch has them;
     tokens T..Tb-1       padding: token 0 at position 0, KV slot -1 (nothing is written),
-                         no adapter (position 0: the rotary table has max_model_len rows,
-                         fewer than a bucket's; rotating a padding row reads its row);
+                         no adapter (position 0 because the kernels read cos/sin for padding
+                         rows too, and the rotary table has max_model_len rows, possibly
+                         fewer than a bucket holds);
     sequences 0..S-1     the step's; sequences S..Sb-1 are empty (no query rows, no context);
     sequence Sb          the padding tokens' own sequence (context = its Tb - T rows, on page
                          0), so every token row belongs to a sequence and query_start_loc
