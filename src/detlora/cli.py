@@ -82,6 +82,9 @@ def _read_prompts(args: argparse.Namespace) -> list[dict]:
     """--prompt TEXT, or --prompts FILE.jsonl with {"prompt": text or token ids, "lora": NAME}."""
     if args.prompt is not None:
         return [{"prompt": args.prompt, "lora": args.prompt_lora}]
+    if args.prompt_lora is not None:
+        raise ValueError('--prompt-lora goes with --prompt; in a --prompts file give each '
+                         'line its own "lora"')
     rows: list[dict] = []
     path = Path(args.prompts)
     if not path.is_file():
@@ -95,7 +98,11 @@ def _read_prompts(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
         if not isinstance(row, dict) or "prompt" not in row:
             raise ValueError(f'{path}:{n}: each line must be an object with a "prompt"')
-        rows.append({"prompt": row["prompt"], "lora": row.get("lora")})
+        lora = row.get("lora")
+        if lora is not None and not isinstance(lora, str):
+            raise ValueError(f'{path}:{n}: "lora" must be an adapter name (a string) or null, '
+                             f"got {lora!r}")
+        rows.append({"prompt": row["prompt"], "lora": lora})
     if not rows:
         raise ValueError(f"{path} holds no prompts")
     return rows
@@ -113,6 +120,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
                 raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
+            if name in loras:
+                raise ValueError(f"--lora {name}= is given twice")
+            if not Path(path).is_dir():  # before the model loads, not when a prompt needs it
+                raise ValueError(f"--lora {name}: adapter directory {path} does not exist")
             loras[name] = LoRARequest(name, k + 1, path)
         rows = _read_prompts(args)
         for row in rows:

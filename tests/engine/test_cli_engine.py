@@ -73,6 +73,28 @@ def test_generate_plain_prompt_and_errors(demo_assets, capsys):
     assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
 
 
+@pytest.mark.parametrize(("args", "lines", "message"), [
+    (["--lora", "a=/no/such/adapter"], None, "adapter directory /no/such/adapter does not"),
+    (["--lora", "a=ADAPTER0", "--lora", "a=ADAPTER1"], None, "--lora a= is given twice"),
+    (["--prompt-lora", "a"], ['{"prompt": "x"}'], "--prompt-lora goes with --prompt"),
+    ([], ['{"prompt": "x", "lora": 3}'], 'p.jsonl:1: "lora" must be an adapter name'),
+])
+def test_generate_refuses_bad_adapter_arguments(demo_assets, tmp_path, capsys, args, lines,
+                                                message):
+    """Refused before the model loads, even when no prompt uses the adapter."""
+    model_dir, adapters = demo_assets
+    args = [a.replace("ADAPTER0", str(adapters[0])).replace("ADAPTER1", str(adapters[1]))
+            for a in args]
+    if lines is None:
+        source = ["--prompt", "x"]
+    else:
+        (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+        source = ["--prompts", str(tmp_path / "p.jsonl")]
+    assert main(["generate", "--model", str(model_dir), *source, *args, "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
 def test_chat_through_the_template(demo_assets):
     model_dir, _ = demo_assets
     llm = LLM(str(model_dir), device="cpu")

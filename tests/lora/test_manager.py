@@ -114,6 +114,25 @@ def test_one_id_one_path(model, adapters):
         m.add(LoRARequest("other", 1, adapters[1].lora_path))
 
 
+def test_one_step_cannot_give_an_id_two_paths(model, adapters):
+    m = LoRAManager(model)
+    with pytest.raises(ValueError, match="one id must name one adapter"):
+        m.activate([adapters[0], LoRARequest("other", 1, adapters[1].lora_path)])
+    assert m.loads == 0 and m.resident() == []
+
+
+def test_a_failed_load_pins_nothing(model, adapters, tmp_path):
+    """A mistyped path is an error that leaves the id free for the right one."""
+    m = LoRAManager(model)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        m.add(LoRARequest("ad1", 1, str(tmp_path / "typo")))
+    assert m.resident() == [] and m.loads == 0
+    slot = m.add(adapters[0])  # same id, the right path
+    assert m.slot_of(1) == slot and m.loads == 1
+    with pytest.raises(ValueError, match="one id must name one adapter"):
+        m.add(LoRARequest("ad1", 1, str(tmp_path / "typo")))  # now the id is taken
+
+
 def test_fused_slices_need_one_scale(model, tmp_path):
     path = write_adapter(tmp_path / "a", alpha_pattern={"k_proj": 4})
     with pytest.raises(ValueError, match="need one scale"):

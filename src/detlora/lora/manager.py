@@ -46,7 +46,7 @@ class LoRAManager:
         self._target_shapes = model.lora_target_shapes()
         self._resident: OrderedDict[int, _Resident] = OrderedDict()  # least recent first
         self._free = list(range(self.max_loras))
-        self._paths: dict[int, str] = {}  # id -> its path, fixed at first use
+        self._paths: dict[int, str] = {}  # id -> its path, fixed at first successful load
         self._hashes: dict[int, str] = {}  # id -> content hash, fixed at first load
         self._step: frozenset[int] = frozenset()  # ids the current step needs: never evicted
         self.loads = 0  # adapters read from disk so far (observability, tests)
@@ -73,14 +73,14 @@ class LoRAManager:
 
     def begin_step(self, requests: Sequence[LoRARequest | None]) -> None:
         """Declare the adapters of the coming step: none of them will be evicted by it."""
-        ids: set[int] = set()
+        paths: dict[int, str] = {}
         for req in requests:
             if req is None:
                 continue
             if not isinstance(req, LoRARequest):
                 raise ValueError(f"expected a LoRARequest or None, got {type(req).__name__}")
-            self._check_path(req)
-            ids.add(req.id)
+            self._check_path(req, paths.setdefault(req.id, req.path))
+        ids = set(paths)
         if len(ids) > self.max_loras:
             raise ValueError(f"the step uses {len(ids)} distinct adapters but only "
                              f"max_loras={self.max_loras} slots exist")
@@ -99,6 +99,7 @@ class LoRAManager:
         slot = self._free.pop(0) if self._free else self._evict(keep=self._step | {request.id})
         self._write(slot, adapter)
         self._resident[request.id] = _Resident(slot, request, adapter.hash)
+        self._paths[request.id] = request.path
         return slot
 
     def activate(self, requests: Sequence[LoRARequest | None]) -> list[int]:
@@ -126,8 +127,11 @@ class LoRAManager:
 
     # ---- internals ----
 
-    def _check_path(self, req: LoRARequest) -> None:
-        known = self._paths.setdefault(req.id, req.path)
+    def _check_path(self, req: LoRARequest, step_path: str | None = None) -> None:
+        """One id names one adapter: the path of its first successful load, or within a step
+        the path its first request gave (``step_path``). A failed load pins nothing, so a
+        mistyped path can be corrected under the same id."""
+        known = self._paths.get(req.id, step_path or req.path)
         if known != req.path:
             raise ValueError(f"adapter id {req.id} was first used for {known!r}, "
                              f"now for {req.path!r}: one id must name one adapter")
