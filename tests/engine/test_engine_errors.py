@@ -39,6 +39,14 @@ def test_bad_config(tmp_path, llama_dir):
     (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 96}))
     with pytest.raises(ValueError, match="shape"):
         LLM(str(bad), device="cpu")
+    (bad / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        LLM(str(bad), device="cpu")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors"):
+        LLM(str(bad), device="cpu")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(llama_dir), device="cpu", max_model_len=10_000)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
@@ -60,6 +68,10 @@ def test_bad_adapters_fail_and_the_engine_recovers(llm, tmp_path, llama_adapters
     assert llm.engine.block_manager.num_free == llm.engine.num_kv_blocks
     ok = llm.generate(prompt, sp, LoRARequest("a0", 1, str(llama_adapters[0])), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) >= 1
+    # The id of the failed load is free: the corrected path runs under it.
+    fixed = llm.generate(prompt, sp, LoRARequest("gone", 7, str(llama_adapters[0])),
+                         use_tqdm=False)
+    assert fixed[0].outputs[0].token_ids == ok[0].outputs[0].token_ids
 
 
 def test_bad_requests(llm, llama_adapters):

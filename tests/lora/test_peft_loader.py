@@ -160,6 +160,14 @@ def test_missing_files(tmp_path):
         _load(path)
 
 
+def test_truncated_weights_name_the_file(tmp_path):
+    path = write_adapter(tmp_path / "a")
+    weights = path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors is not a readable"):
+        _load(path)
+
+
 def test_pickle_adapter_is_refused(tmp_path):
     path = write_adapter(tmp_path / "a")
     (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")

@@ -18,6 +18,7 @@ from detlora.engine.progress import ProgressBar
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
 from detlora.lora.request import LoRARequest
+from detlora.models.spec import ModelSpec
 
 
 class LLM:
@@ -56,6 +57,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
             seed=seed,
         )
+        ModelSpec.from_dir(model)  # config.json before the tokenizer, whose errors misname it
         tok_dir = str(tokenizer) if tokenizer is not None else model
         self.tokenizer: Tokenizer | None = None
         if tokenizer is not None or has_tokenizer(tok_dir):

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from detlora.json_files import read_json_object
@@ -191,7 +192,10 @@ def _check_config(cfg: Mapping[str, Any], path: Path) -> None:
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     file = path / WEIGHTS_FILE
     if file.is_file():
-        return load_file(str(file), device="cpu")
+        try:
+            return load_file(str(file), device="cpu")
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
     if (path / "adapter_model.bin").is_file():
         raise ValueError(f"{path} holds adapter_model.bin (a pickle): detlora loads "
                          f"{WEIGHTS_FILE} only; re-save the adapter with "

@@ -8,12 +8,15 @@ its config fails loudly instead of running with uninitialised memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.layers.lora_slots import LoRAConfig
@@ -64,7 +67,7 @@ def load_model(
     tied_head: torch.Tensor | None = None
     unexpected: list[str] = []
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if _IGNORED.match(name):
                     continue
@@ -98,6 +101,16 @@ def load_model(
     meta = {"spec": spec.canonical(), "dtype": str(dtype).replace("torch.", "")}
     model.set_weights_hash(combine_digests(digests, meta))
     return model.eval()
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose errors (a truncated or foreign file) name the file."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
 
 
 def checkpoint_files(path: Path) -> list[Path]:
