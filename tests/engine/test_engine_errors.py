@@ -93,6 +93,11 @@ def test_bad_requests(llm, llama_adapters):
         llm.generate(prompts, {"max_tokens": 3}, use_tqdm=False)
     with pytest.raises(ValueError, match="top_p"):
         llm.generate(prompts, SamplingParams(top_p=2.0), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logprobs=129 asks for more top tokens than the "
+                                         r"vocabulary holds \(128\)"):
+        llm.generate(prompts, SamplingParams(max_tokens=2, logprobs=129), use_tqdm=False)
+    every = llm.generate(prompts[0], SamplingParams(max_tokens=2, logprobs=128), use_tqdm=False)
+    assert all(len(step) == 128 for step in every[0].outputs[0].logprobs)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "p")
     no_lora = LLM(str(llm.config.model), device="cpu", max_model_len=64)

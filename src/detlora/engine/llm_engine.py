@@ -222,6 +222,9 @@ class LLMEngine:
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} asks for more top tokens than the "
+                             f"vocabulary holds ({vocab})")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt of {n} tokens is too long: max_model_len={self.max_model_len} leaves "
