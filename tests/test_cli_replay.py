@@ -1,5 +1,7 @@
 """``detlora replay`` (the kernel replay study) runs on a CPU through the interpreter."""
 
+import pytest
+
 from detlora.cli import main
 
 
@@ -12,3 +14,19 @@ def test_replay_prints_the_reproducibility_table(capsys):
     # Every deterministic reduction repeats bit for bit: '0/1' differing comparisons.
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(row[2] == "0/1" for row in rows)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--executions", "1"], "--executions: must be >= 2, got 1"),
+    (["--hidden", "0"], "--hidden: must be >= 1, got 0"),
+    (["--rank", "0"], "--rank: must be >= 1, got 0"),
+])
+def test_replay_refuses_bad_sizes_before_running(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_replay_rank_above_the_kernels_maximum_is_a_clear_error(capsys):
+    assert main(["replay", "--executions", "2", "--hidden", "16", "--rank", "1000"]) == 2
+    assert "rank 1000 is outside [1, 128]" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -53,11 +54,29 @@ def write_results(out: str | Path, result: dict) -> None:
     print(f"wrote {out}")
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``, else a usage error naming the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     has_cuda = _prepare_runtime()
     from detlora.study.replay_table import run_replay_table
 
-    run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden, rank=args.rank)
+    try:
+        run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden,
+                         rank=args.rank)
+    except ValueError as e:  # e.g. a rank above the kernels' maximum
+        print(f"detlora replay: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -183,11 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="kernel replay study on a built-in shape (paper section 5.2 table)",
     )
-    p.add_argument("--executions", type=int, default=None,
+    p.add_argument("--executions", type=_int_at_least(2), default=None,
                    help="executions per reduction (default: 200 on GPU, 4 on CPU)")
-    p.add_argument("--hidden", type=int, default=None,
+    p.add_argument("--hidden", type=_int_at_least(1), default=None,
                    help="hidden size (default 3072 on GPU, 320 on CPU)")
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rank", type=_int_at_least(1), default=16)
     p.set_defaults(func=_cmd_replay)
 
     bench = sub.add_parser("bench", help="GPU benchmarks that write benchmarks/results/*.json")
