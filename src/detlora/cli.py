@@ -150,7 +150,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 raise ValueError(f"prompt names adapter {row['lora']!r}, but no --lora "
                                  f"{row['lora']}=DIR was given (known: {sorted(loras)})")
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k,
+                                top_p=args.top_p, top_k=args.top_k, stop=args.stop or (),
                                 logprobs=0 if args.json else None)
         llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
                   max_lora_rank=args.max_lora_rank, determinism=args.determinism,
@@ -169,7 +169,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 "prompt": row["prompt"], "lora": row["lora"], "text": c.text,
                 "token_ids": c.token_ids,
                 "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
-                "finish_reason": c.finish_reason, "fingerprint": out.fingerprint,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "fingerprint": out.fingerprint,
             }))
         else:
             shown = c.text if llm.get_tokenizer() is not None else str(c.token_ids)
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable; excluded from it)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for sampled requests")
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument("--max-model-len", type=int, default=None)

@@ -86,6 +86,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/stop_strings.py
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -111,6 +113,15 @@ class SamplingParams:
             _check_int("stop_token_ids entries", t, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        if any(x == "" for x in stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("include_stop_str_in_output must be a bool, got "
+                             f"{self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:

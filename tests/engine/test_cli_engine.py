@@ -95,6 +95,20 @@ def test_generate_refuses_bad_adapter_arguments(demo_assets, tmp_path, capsys, a
     assert message in captured.err and captured.out == ""
 
 
+def test_generate_with_stop_strings(demo_assets, capsys):
+    model_dir, _ = demo_assets
+    base = ["generate", "--model", str(model_dir), "--prompt", "the user asks",
+            "--max-tokens", "20", "--device", "cpu", "--json"]
+    assert main(base) == 0
+    full = json.loads(capsys.readouterr().out)
+    stop = full["text"][12:17]
+    assert main([*base, "--stop", "not in it", "--stop", stop]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["text"] == full["text"][: full["text"].index(stop)]
+    assert got["finish_reason"] == "stop" and got["stop_reason"] == stop
+    assert got["token_ids"] == full["token_ids"][: len(got["token_ids"])]
+
+
 def test_chat_through_the_template(demo_assets):
     model_dir, _ = demo_assets
     llm = LLM(str(model_dir), device="cpu")

@@ -119,6 +119,7 @@ def test_stop_tokens_and_min_tokens(llm):
                        use_tqdm=False)[0].outputs[0]
     k = first.token_ids.index(stop)
     assert out.token_ids == first.token_ids[: k + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop and first.stop_reason is None
     late = llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop],
                                                min_tokens=k + 2), use_tqdm=False)[0].outputs[0]
     assert stop not in late.token_ids[: k + 2]

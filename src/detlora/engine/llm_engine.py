@@ -26,6 +26,7 @@ from detlora.engine.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sequence import FinishReason
 from detlora.engine.sequence import Sequence as Seq
 from detlora.engine.step_inputs import build_step_inputs
+from detlora.engine.stop_strings import match_stop_string
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.lora.request import LoRARequest
 
@@ -222,6 +223,9 @@ class LLMEngine:
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.detokenize is None:
+            raise ValueError("stop strings need the model's tokenizer, and this engine has "
+                             "none: use stop_token_ids")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} asks for more top tokens than the "
                              f"vocabulary holds ({vocab})")
@@ -394,12 +398,23 @@ class LLMEngine:
         return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned)
 
     def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:
-        """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does."""
-        if token in seq.params.stop_token_ids or (
-            not seq.params.ignore_eos and token in self.eos_token_ids
-        ):
+        """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does (vLLM's
+        order: EOS, stop strings, stop token ids, length); sets ``seq.stop_reason``."""
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= seq.max_len:
+        outputs = length - seq.num_prompt_tokens
+        if params.stop and outputs >= params.min_tokens:
+            assert self.detokenize is not None  # check_request: stop strings need a tokenizer
+            match = match_stop_string(self.detokenize, seq.token_ids[seq.num_prompt_tokens:length],
+                                      params.stop, params.include_stop_str_in_output)
+            if match is not None:
+                seq.stop_reason, seq.text_end = match.stop, match.text_end
+                return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if outputs >= params.max_tokens or length >= seq.max_len:
             return FinishReason.LENGTH
         return None
 
@@ -414,12 +429,15 @@ class LLMEngine:
     def output_of(self, seq: Seq) -> RequestOutput:
         out_ids = seq.output_token_ids
         text = self.detokenize(out_ids) if self.detokenize is not None else ""
+        if seq.text_end is not None:
+            text = text[: seq.text_end]
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=list(out_ids),
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
         )
         return RequestOutput(
             request_id=seq.request_id,

@@ -12,6 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token
     finish_reason: str | None  # "length" | "stop", None while unfinished
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
 
 
 @dataclass(frozen=True)

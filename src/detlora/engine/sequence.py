@@ -24,7 +24,7 @@ class SequenceStatus(str, Enum):
 
 class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
-    STOP = "stop"  # an EOS or stop token was generated
+    STOP = "stop"  # an EOS or stop token was generated, or a stop string completed
 
 
 @dataclass(eq=False)
@@ -45,6 +45,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text_end: int | None = None  # characters of the output text kept (set by a stop string)
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
