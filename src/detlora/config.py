@@ -74,10 +74,13 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax, ties to the lowest token id). Otherwise tokens are
     drawn by Gumbel-max with noise hashed from (seed, position, token id), so a seeded request
     draws the same tokens whatever shares its batch. ``seed=None`` uses the engine seed and the
-    request's index, so a rerun of the same script repeats.
+    request's index, so a rerun of the same script repeats. With ``n > 1`` completion 0 uses
+    ``seed`` and completion i > 0 a seed derived from (seed, i): the first of n completions is
+    the one completion of ``n=1``.
     """
 
     max_tokens: int = 16
+    n: int = 1  # completions per prompt
     temperature: float = 0.0
     top_k: int = -1  # 0 or -1: off
     top_p: float = 1.0
@@ -91,6 +94,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("n", self.n, low=1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,11 +101,20 @@ class LLM:
         encoded = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(parsed)]
         for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
             self.engine.check_request(ids, sp, lr)
-        seqs = [
-            self.engine.add_request(ids, sp, lora=lr, prompt=text)
+        groups = [
+            [self.engine.add_request(ids, sp, lora=lr, prompt=text, sample_index=i)
+             for i in range(sp.n)]
             for (ids, text), sp, lr in zip(encoded, params, loras, strict=True)
         ]
-        return self._run(seqs, use_tqdm)
+        outs = self._run([s for g in groups for s in g], use_tqdm)
+        merged, at = [], 0
+        for g in groups:  # one RequestOutput per prompt, its n completions indexed 0..n-1
+            first, *rest = outs[at: at + len(g)]
+            at += len(g)
+            merged.append(first if not rest else dataclasses.replace(
+                first, outputs=[dataclasses.replace(o.outputs[0], index=i)
+                                for i, o in enumerate([first, *rest])]))
+        return merged
 
     def chat(
         self,

@@ -256,10 +256,16 @@ class LLMEngine:
         lora: LoRARequest | None = None,
         prompt: str | None = None,
         request_id: str | None = None,
+        sample_index: int = 0,
     ) -> Seq:
+        """One completion of a prompt: ``sample_index`` i < ``params.n`` picks its seed (see
+        ``SamplingParams``)."""
         self.check_request(prompt_token_ids, params, lora)
         index = next(self._counter)
-        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, index)
+        if params.seed is None:
+            seed = derive_seed(self.config.seed, index)
+        else:
+            seed = params.seed if sample_index == 0 else derive_seed(params.seed, sample_index)
         ids = [int(t) for t in prompt_token_ids]
         seq = Seq(
             seq_id=index,

@@ -1,0 +1,51 @@
+"""SamplingParams(n=...): several completions of one prompt, in one RequestOutput."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import random_prompts
+
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), device="cpu", max_model_len=64)
+
+
+def _completions(out):
+    return [(c.index, c.token_ids, c.logprobs) for c in out.outputs]
+
+
+def test_n_completions_come_back_indexed_in_one_output(llm):
+    prompts = random_prompts(2, seed=11)
+    params = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=7, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 2
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert out.prompt_token_ids == prompt and out.finished
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # different draws
+    # Completion 0 is the n=1 completion of the same seed.
+    single = llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=1.0, seed=7,
+                                                     logprobs=0), use_tqdm=False)[0]
+    assert _completions(single) == _completions(outs[0])[:1]
+
+
+def test_n_completions_are_batch_invariant_and_repeat(llm):
+    prompts = random_prompts(4, seed=12)
+    params = SamplingParams(max_tokens=6, n=2, temperature=0.8, top_p=0.9, seed=3, logprobs=0)
+    alone = llm.generate(prompts[1], params, use_tqdm=False)[0]
+    batch = llm.generate(prompts[::-1], params, use_tqdm=False)
+    again = llm.generate(prompts[1], params, use_tqdm=False)[0]
+    assert _completions(alone) == _completions(batch[2]) == _completions(again)
+
+
+def test_greedy_n_gives_identical_completions_and_n_is_checked(llm):
+    out = llm.generate(random_prompts(1, seed=13), SamplingParams(max_tokens=5, n=2),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="n must be"):
+            SamplingParams(n=bad)
