@@ -171,6 +171,21 @@ def test_batch_invariant_preemption_and_chunking(assets):
     assert _diff(outs, ref) == []
 
 
+def test_n_completions_are_batch_invariant(assets):
+    model_dir, loras, prompts = assets
+    llm = _llm(model_dir, determinism="batch_invariant")
+    sp = SamplingParams(max_tokens=16, n=4, temperature=0.9, seed=21, logprobs=0,
+                        ignore_eos=True)
+    alone = llm.generate(prompts[3], sp, loras[0], use_tqdm=False)[0]
+    batch = llm.generate(prompts[:8], sp, [loras[0]] * 8, use_tqdm=False)[3]
+
+    def completions(out):
+        return [(c.index, c.token_ids, c.logprobs) for c in out.outputs]
+
+    assert completions(alone) == completions(batch)
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
+
+
 def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
     from detlora.engine.sampler import _mix32, row_keys
 
