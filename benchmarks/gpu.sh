@@ -8,7 +8,8 @@
 #                     [attention-flat] [rms-warps] [attention-split] [attention-tests] [attention-pairs]
 #                     [attention-prologue] [ops-attention] [attention-stages]
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
-#                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds] ...
+#                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
+#                     [copy-reference] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +88,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                       "$OUT/rms_norm_persistent.json" || status=1 ;;
     matmul-bounds) python3 benchmarks/experiments/matmul_tile_bounds.py \
                      "$OUT/matmul_tile_bounds.json" || status=1 ;;
+    copy-reference) python3 benchmarks/experiments/copy_reference.py \
+                      "$OUT/copy_reference.json" || status=1 ;;
     matmul-ws) python3 benchmarks/experiments/matmul_warp_specialize.py \
                  "$OUT/matmul_warp_specialize.json" || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \

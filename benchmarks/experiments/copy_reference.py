@@ -1,0 +1,61 @@
+"""One-off GPU check: why the ops benchmark's "copy" reference (``bench_rowwise._time_copy``)
+read 21.98 us for the bytes of rms_norm at H 3072, M 4096 (batch_invariant_ops.json) while
+rms_norm_persistent.json timed torch ``copy_`` of the same bytes at 14.47 us.
+
+Times, for those bytes (and for M 1024): the benchmark's own function; the same 1-D copy with
+its tensors made directly in bf16; and the 2-D [M, H] copy of the persistent experiment; each
+twice, to see run-order effects.
+
+    PYTHONPATH=src python benchmarks/experiments/copy_reference.py OUT.json
+"""
+
+import json
+import sys
+
+import torch
+
+from detlora.cli import results_meta
+from detlora.study.bench_rowwise import DTYPE, _time_copy
+from detlora.study.timing import input_sets_for, time_graph_us
+
+
+def _time_sets(make, bytes_moved: int) -> float:
+    sets = [make() for _ in range(input_sets_for(bytes_moved))]
+    return time_graph_us([(lambda s=s: s[1].copy_(s[0])) for s in sets])
+
+
+def _variants(m: int, h: int) -> tuple[int, dict]:
+    moved = 2 * m * h * 2 + h * 2  # rms_norm: read x, write y, read the weight
+    n = moved // 4
+    return moved, {
+        "bench_time_copy": lambda: _time_copy(moved),
+        "1d_made_in_bf16": lambda: _time_sets(
+            lambda: (torch.empty(n, dtype=DTYPE, device="cuda").normal_(),
+                     torch.empty(n, dtype=DTYPE, device="cuda")), moved),
+        "1d_from_fp32": lambda: _time_sets(
+            lambda: (torch.randn(n, device="cuda").to(DTYPE),
+                     torch.empty(n, dtype=DTYPE, device="cuda")), moved),
+        "2d_rows": lambda: _time_sets(
+            lambda: (torch.randn(m, h, device="cuda").to(DTYPE),
+                     torch.empty(m, h, dtype=DTYPE, device="cuda")), moved),
+    }
+
+
+def main(out_path: str) -> None:
+    rows = []
+    for m, h in ((4096, 3072), (1024, 3072)):
+        moved, variants = _variants(m, h)
+        for rep in range(2):
+            for name, run in variants.items():
+                us = run()
+                rows.append({"M": m, "H": h, "bytes": moved, "variant": name, "rep": rep,
+                             "us": round(us, 3), "TBps": round(moved / us / 1e6, 3)})
+                print(rows[-1], flush=True)
+                torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump({"meta": results_meta(" ".join(["python", *sys.argv])), "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
