@@ -9,7 +9,7 @@
 #                     [attention-prologue] [ops-attention] [attention-stages]
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
-#                     [copy-reference] ...
+#                     [copy-reference] [matmul-mid-m-loads] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +90,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                      "$OUT/matmul_tile_bounds.json" || status=1 ;;
     copy-reference) python3 benchmarks/experiments/copy_reference.py \
                       "$OUT/copy_reference.json" || status=1 ;;
+    matmul-mid-m-loads) python3 benchmarks/experiments/matmul_mid_m_loads.py \
+                          "$OUT/matmul_mid_m_loads.json" || status=1 ;;
     matmul-ws) python3 benchmarks/experiments/matmul_warp_specialize.py \
                  "$OUT/matmul_warp_specialize.json" || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \

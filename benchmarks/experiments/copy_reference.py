@@ -18,6 +18,8 @@ from detlora.cli import results_meta
 from detlora.study.bench_rowwise import DTYPE, _time_copy
 from detlora.study.timing import input_sets_for, time_graph_us
 
+VARIANT_SHAPES = ((4096, 3072), (1024, 3072))
+
 
 def _time_sets(make, bytes_moved: int) -> float:
     sets = [make() for _ in range(input_sets_for(bytes_moved))]
@@ -35,6 +37,9 @@ def _variants(m: int, h: int) -> tuple[int, dict]:
         "1d_from_fp32": lambda: _time_sets(
             lambda: (torch.randn(n, device="cuda").to(DTYPE),
                      torch.empty(n, dtype=DTYPE, device="cuda")), moved),
+        "1d_rows_only": lambda: _time_sets(  # M x H elements, without the weight's H
+            lambda: (torch.randn(m * h, device="cuda").to(DTYPE),
+                     torch.empty(m * h, dtype=DTYPE, device="cuda")), moved),
         "2d_rows": lambda: _time_sets(
             lambda: (torch.randn(m, h, device="cuda").to(DTYPE),
                      torch.empty(m, h, dtype=DTYPE, device="cuda")), moved),
@@ -43,7 +48,7 @@ def _variants(m: int, h: int) -> tuple[int, dict]:
 
 def main(out_path: str) -> None:
     rows = []
-    for m, h in ((4096, 3072), (1024, 3072)):
+    for m, h in VARIANT_SHAPES:
         moved, variants = _variants(m, h)
         for rep in range(2):
             for name, run in variants.items():
