@@ -4,7 +4,8 @@ rms_norm_persistent.json timed torch ``copy_`` of the same bytes at 14.47 us.
 
 Times, for those bytes (and for M 1024): the benchmark's own function; the same 1-D copy with
 its tensors made directly in bf16; and the 2-D [M, H] copy of the persistent experiment; each
-twice, to see run-order effects.
+twice, to see run-order effects. Then a sweep of byte counts around 24 MiB, to find which
+sizes take the slow path.
 
     PYTHONPATH=src python benchmarks/experiments/copy_reference.py OUT.json
 """
@@ -57,6 +58,16 @@ def main(out_path: str) -> None:
                              "us": round(us, 3), "TBps": round(moved / us / 1e6, 3)})
                 print(rows[-1], flush=True)
                 torch.cuda.empty_cache()
+    # Which byte counts take the slow path: bf16 copies of 3 x 2^22 elements plus delta.
+    base = 3 << 22
+    for delta in (0, 64, 512, 1024, 1536, 4096, 1 << 16, 1 << 20, -1536, -(1 << 16)):
+        n = base + delta
+        us = _time_sets(lambda n=n: (torch.empty(n, dtype=DTYPE, device="cuda").normal_(),
+                                     torch.empty(n, dtype=DTYPE, device="cuda")), 4 * n)
+        rows.append({"variant": "granule", "elements": n, "delta": delta, "bytes": 4 * n,
+                     "us": round(us, 3), "TBps": round(4 * n / us / 1e6, 3)})
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
     with open(out_path, "w") as f:
         json.dump({"meta": results_meta(" ".join(["python", *sys.argv])), "rows": rows}, f,
                   indent=1)
