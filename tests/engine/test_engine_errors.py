@@ -89,6 +89,12 @@ def test_bad_requests(llm, llama_adapters):
         llm.generate("hello", sp, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts is empty"):
         llm.generate([], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unknown prompt keys \['prompt_tokens_ids'\]"):
+        llm.generate({"prompt_tokens_ids": [3, 4]}, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: unknown prompt keys \['seed'\]"):
+        llm.generate([[3], {"prompt_token_ids": [3, 4], "seed": 1}], sp, use_tqdm=False)
+    assert llm.generate({"prompt_token_ids": [3, 4], "prompt": "label"}, sp,
+                        use_tqdm=False)[0].prompt == "label"
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(prompts, {"max_tokens": 3}, use_tqdm=False)
     with pytest.raises(ValueError, match="top_p"):

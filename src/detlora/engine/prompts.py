@@ -19,6 +19,9 @@ class Prompt:
     messages: tuple[dict[str, Any], ...] | None = None
 
 
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt
+
+
 def _is_messages(x: object) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(
         isinstance(m, dict) and "role" in m for m in x
@@ -42,6 +45,10 @@ def parse_prompt(p: object, where: str = "prompt") -> Prompt:
                 raise ValueError(f"{where}: every chat message needs a string 'content'")
         return Prompt(messages=tuple(dict(m) for m in p))
     if isinstance(p, dict):
+        unknown = sorted(str(k) for k in p if k not in _PROMPT_KEYS)
+        if unknown:  # a misspelt key must not silently drop what it carried
+            raise ValueError(f"{where}: unknown prompt keys {unknown} (known: "
+                             f"{sorted(_PROMPT_KEYS)})")
         if "prompt_token_ids" in p:
             ids = p["prompt_token_ids"]
             if not _is_token_ids(ids):
