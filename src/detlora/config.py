@@ -176,7 +176,8 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+            self.device in ("auto", "cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         ):
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"

@@ -43,6 +43,7 @@ def test_engine_config_resolves_and_validates():
     assert c.determinism is Determinism.FAST and c.resolved_lora_reduction is LoRAReduction.ORDERED
     for kwargs, field in [({"block_size": 12}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
                           ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"),
+                          ({"device": "cuda:x"}, "cuda:N"), ({"device": "cuda:"}, "cuda:N"),
                           ({"determinism": "exact"}, "determinism"),
                           ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
                           ({"max_loras": 0}, "max_loras")]:

@@ -27,6 +27,8 @@ def test_missing_model_dir_and_files(tmp_path, llama_dir):
     shutil.copy(llama_dir / "config.json", no_weights / "config.json")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         LLM(str(no_weights), device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer directory .*nope does not exist"):
+        LLM(str(llama_dir), device="cpu", tokenizer=str(tmp_path / "nope"))
 
 
 def test_bad_config(tmp_path, llama_dir):

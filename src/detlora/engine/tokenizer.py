@@ -23,6 +23,8 @@ class Tokenizer:
             from transformers import AutoTokenizer
         except ImportError as e:  # pragma: no cover - transformers is a declared dependency
             raise ValueError(f"reading the tokenizer in {path} needs transformers: {e}") from None
+        if not Path(path).is_dir():  # else transformers reads the path as a Hub repo id
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
         try:
             self.hf: Any = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:
