@@ -45,7 +45,7 @@ def test_staged_inputs_are_the_step_padded_to_its_bucket():
     for i, row in enumerate(step.block_tables):
         assert g.block_tables[i, : len(row)].tolist() == row
     assert g.block_tables[4:8, 0].tolist() == [0] * 4
-    views = g._group_views(8)
+    views = g._batch(8).lora.groups
     ref = group_tokens(torch.tensor(step.token_adapter + [-1] * 4, dtype=torch.int32), 3)
     for name in ("token_adapter", "sorted_rows", "group_start", "group_size", "group_adapter"):
         assert torch.equal(getattr(views, name), getattr(ref, name)), name

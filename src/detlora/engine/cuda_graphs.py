@@ -21,14 +21,13 @@ round trip.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from detlora.engine.adapter_group_layout import AdapterGroupLayout
 from detlora.engine.copy_fence import CopyFence
+from detlora.engine.graph_capture import Forward, capture_bucket
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -42,7 +41,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
+        forward: Forward,
         *,
         device: torch.device,
         max_num_seqs: int,
@@ -88,25 +87,12 @@ class DecodeGraphs:
         self.token_adapter = self._i32[n: 2 * n]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        self.groups: dict[int, AdapterGroups] = {}
+        self.group_layout = None if num_adapters is None else AdapterGroupLayout(
+            token_adapter_at=n, sorted_rows_at=2 * n, groups_at=3 * n,
+            max_groups=self.max_groups, num_adapters=num_adapters)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool: object | None = None  # the graphs' memory pool, once captured
-
-    def _group_views(self, b: int) -> AdapterGroups:
-        """Adapter groups of bucket ``b`` as views of the int32 buffer."""
-        assert self.num_adapters is not None
-        n, gmax = self.buckets[-1], self.max_groups
-        g = min(b, self.num_adapters + 1)
-        base = 3 * n
-        return AdapterGroups(
-            token_adapter=self.token_adapter[:b],
-            sorted_rows=self._i32[2 * n: 2 * n + b],
-            group_start=self._i32[base: base + g],
-            group_size=self._i32[base + gmax: base + gmax + g],
-            group_adapter=self._i32[base + 2 * gmax: base + 2 * gmax + g],
-            num_adapters=self.num_adapters,
-        )
 
     def _batch(self, b: int) -> ForwardBatch:
         # Inside the graph: each row's input id, staged or fed by the previous step.
@@ -120,33 +106,22 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
         lora = None
-        if self.num_adapters is not None:
-            lora = LoRABatch(self.groups[b])
+        if self.group_layout is not None:
+            lora = LoRABatch(self.group_layout.views(self._i32, b))
         return ForwardBatch(input_ids, self.positions[:b], attn,
                             self.logits_indices[:b], lora)
 
     def capture(self) -> None:
         """Capture every bucket, largest first, sharing one memory pool."""
-        from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
-
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
-            if self.num_adapters is not None:
-                self.groups[b] = self._group_views(b)
-                self._stage_groups([-1] * b, b)
+            if self.group_layout is not None:  # every row without an adapter
+                self.group_layout.stage(self._h32.numpy(), [-1] * b)
                 self._i32.copy_(self._h32)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            # Decode kernels are a few microseconds each: PDL (ops/pdl.py) hides the gaps.
-            with pdl_launches():
-                with torch.cuda.stream(stream):
-                    self.forward(self._batch(b))  # warm-up: compiles kernels, grows workspaces
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[b] = self.forward(self._batch(b))
-            self.graphs[b] = graph
+            self.graphs[b], self.outputs[b] = capture_bucket(
+                self.forward, lambda b=b: self._batch(b), pool=pool, stream=stream,
+                device=self.device)
         torch.cuda.synchronize(self.device)
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -154,18 +129,6 @@ class DecodeGraphs:
             if b >= num_seqs:
                 return b
         return None
-
-    def _stage_groups(self, token_adapter: list[int], bucket: int) -> None:
-        assert self.num_adapters is not None
-        n, gmax = self.buckets[-1], self.max_groups
-        rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
-        h = self._h32.numpy()
-        h[n: n + bucket] = token_adapter
-        h[2 * n: 2 * n + bucket] = rows
-        g = len(start)
-        for i, values in enumerate((start, size, adapter)):
-            lo = 3 * n + i * gmax
-            h[lo: lo + g] = values
 
     def set_feed(self, tokens: torch.Tensor) -> None:
         """Leave the tokens just sampled (row r: the token of the step's row r) on the device
@@ -201,8 +164,8 @@ class DecodeGraphs:
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row
         tables[b:bucket, 0] = 0  # padding rows: a one-token context on page 0
-        if self.num_adapters is not None:
-            self._stage_groups(step.token_adapter + [-1] * pad, bucket)
+        if self.group_layout is not None:
+            self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
         self._staged64[:, :bucket].copy_(self._h64[:, :bucket], non_blocking=True)
         self._i32.copy_(self._h32, non_blocking=True)
         self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],

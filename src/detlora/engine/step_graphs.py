@@ -27,14 +27,13 @@ the engine leaves in ``feed``) are gathered inside the graph, as in the decode g
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from detlora.engine.adapter_group_layout import AdapterGroupLayout
 from detlora.engine.copy_fence import CopyFence
+from detlora.engine.graph_capture import Forward, capture_bucket
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 SEQ_BUCKETS = (1, 4, 16, 64)
@@ -51,7 +50,7 @@ def step_graph_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[t
 class StepGraphs:
     def __init__(
         self,
-        forward: Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
+        forward: Forward,
         *,
         device: torch.device,
         feed: torch.Tensor,  # int64: the tokens the previous step sampled, one per row
@@ -92,8 +91,10 @@ class StepGraphs:
         self.input_ids, self.positions, self.slot_mapping, self.fed_src = rows.unbind(0)
         self.logits_indices = self._i64[4 * t:]
         self.token_adapter = self._i32[:t]
-        self._sorted_rows = self._i32[t: 2 * t]
         self._groups_at = 2 * t
+        self.group_layout = None if num_adapters is None else AdapterGroupLayout(
+            token_adapter_at=0, sorted_rows_at=t, groups_at=2 * t, max_groups=g,
+            num_adapters=num_adapters)
         self.seq_lens = self._i32[2 * t + 3 * g: 2 * t + 3 * g + s + 1]
         self.query_start_loc = self._i32[2 * t + 3 * g + s + 1:]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -110,19 +111,6 @@ class StepGraphs:
 
     # ---- the graph's view of the buffers ----
 
-    def _groups(self, tb: int) -> AdapterGroups:
-        assert self.num_adapters is not None
-        g, lo = min(tb, self.num_adapters + 1), self._groups_at
-        gmax = self.max_groups
-        return AdapterGroups(
-            token_adapter=self.token_adapter[:tb],
-            sorted_rows=self._sorted_rows[:tb],
-            group_start=self._i32[lo: lo + g],
-            group_size=self._i32[lo + gmax: lo + gmax + g],
-            group_adapter=self._i32[lo + 2 * gmax: lo + 2 * gmax + g],
-            num_adapters=self.num_adapters,
-        )
-
     def batch(self, tb: int, sb: int) -> ForwardBatch:
         """The ForwardBatch a (tb, sb) graph computes on: views of the static buffers."""
         fed_src = self.fed_src[:tb]
@@ -136,7 +124,9 @@ class StepGraphs:
             max_query_len=tb,
             max_seq_len=self.max_model_len,
         )
-        lora = LoRABatch(self._groups(tb)) if self.num_adapters is not None else None
+        lora = None
+        if self.group_layout is not None:
+            lora = LoRABatch(self.group_layout.views(self._i32, tb))
         return ForwardBatch(input_ids, self.positions[:tb], attn, self.logits_indices[:sb],
                             lora)
 
@@ -167,14 +157,8 @@ class StepGraphs:
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row
         tables[s: sb + 1, :width] = 0  # empty sequences and the padding one: page 0
-        if self.num_adapters is not None:
-            adapters = step.token_adapter + [-1] * pad
-            h32[:tb] = adapters
-            rows, start, size, adapter = group_tokens_host(adapters, self.num_adapters)
-            h32[tmax: tmax + tb] = rows
-            lo, gmax = self._groups_at, self.max_groups
-            for i, values in enumerate((start, size, adapter)):
-                h32[lo + i * gmax: lo + i * gmax + len(values)] = values
+        if self.group_layout is not None:
+            self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
         self._i64.copy_(self._h64, non_blocking=True)
         self._i32.copy_(self._h32, non_blocking=True)
         # Columns past ``width`` keep pages of earlier steps: real rows never read them, and
@@ -188,21 +172,12 @@ class StepGraphs:
 
     def capture(self, pool: object) -> None:
         """Capture every bucket, largest first, in the memory pool ``pool``."""
-        from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
-
         stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             self._stage_empty(bucket)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with pdl_launches():
-                with torch.cuda.stream(stream):
-                    self.forward(self.batch(*bucket))  # warm-up: kernels, workspaces
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bucket] = self.forward(self.batch(*bucket))
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.outputs[bucket] = capture_bucket(
+                self.forward, lambda bucket=bucket: self.batch(*bucket), pool=pool,
+                stream=stream, device=self.device)
         torch.cuda.synchronize(self.device)
 
     def _stage_empty(self, bucket: tuple[int, int]) -> None:

@@ -1,0 +1,52 @@
+"""Where a CUDA graph's adapter groups live in its static int32 input buffer.
+
+Grouping tokens by adapter needs a host sync on the device, so the decode and step graphs
+group on the host (``group_tokens_host``) and stage the result with their other inputs. The
+layout: the per-token adapter slots and the token order sorted by adapter (one entry per row
+each), then the groups' start, size and adapter (``max_groups`` entries each). A graph of
+``rows`` rows reads views of the buffer; staging writes its pinned host twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
+
+
+@dataclass(frozen=True)
+class AdapterGroupLayout:
+    token_adapter_at: int
+    sorted_rows_at: int
+    groups_at: int  # group_start, then group_size, then group_adapter
+    max_groups: int
+    num_adapters: int  # adapter slots
+
+    def views(self, i32: torch.Tensor, rows: int) -> AdapterGroups:
+        """The groups of a ``rows``-row graph, as views of the device buffer ``i32``."""
+        g, lo, gmax = min(rows, self.num_adapters + 1), self.groups_at, self.max_groups
+        return AdapterGroups(
+            token_adapter=i32[self.token_adapter_at: self.token_adapter_at + rows],
+            sorted_rows=i32[self.sorted_rows_at: self.sorted_rows_at + rows],
+            group_start=i32[lo: lo + g],
+            group_size=i32[lo + gmax: lo + gmax + g],
+            group_adapter=i32[lo + 2 * gmax: lo + 2 * gmax + g],
+            num_adapters=self.num_adapters,
+        )
+
+    def stage(self, h32: np.ndarray, token_adapter: list[int]) -> None:
+        """Write the groups of ``token_adapter`` (one slot per row, -1: none, padding
+        included) into the host twin ``h32``."""
+        rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
+        n = len(token_adapter)
+        h32[self.token_adapter_at: self.token_adapter_at + n] = token_adapter
+        h32[self.sorted_rows_at: self.sorted_rows_at + n] = rows
+        for i, values in enumerate((start, size, adapter)):
+            lo = self.groups_at + i * self.max_groups
+            h32[lo: lo + len(values)] = values
+
+
+__all__ = ["AdapterGroupLayout"]

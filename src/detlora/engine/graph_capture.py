@@ -1,0 +1,42 @@
+"""Capturing one CUDA graph of the decode or step graphs: warm up, then record.
+
+The warm-up runs the forward once on the capture stream, outside the graph: it compiles the
+kernels and grows the workspaces the graph will then own. Both run under ``pdl_launches``
+(ops/pdl.py), so the warm-up compiles the kernel variants the graph records: decode and
+step kernels are a few microseconds each, and PDL hides the gaps between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from detlora.models.forward_batch import ForwardBatch
+
+Forward = Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
+
+
+def capture_bucket(
+    forward: Forward, batch: Callable[[], ForwardBatch], *, pool: object,
+    stream: torch.cuda.Stream, device: torch.device,
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """The graph of ``forward(batch())`` in the memory pool ``pool``, and its outputs (static
+    tensors a replay overwrites). ``batch`` builds views of the graph's input buffers, which
+    the caller has filled with valid inputs."""
+    from detlora.ops.pdl import pdl_launches  # imports Triton: CUDA only
+
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with pdl_launches():
+        with torch.cuda.stream(stream):
+            forward(batch())  # warm-up: compiles kernels, grows workspaces
+        current.wait_stream(stream)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward(batch())
+    return graph, outputs
+
+
+__all__ = ["Forward", "capture_bucket"]
