@@ -37,6 +37,7 @@ import triton.language as tl
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.pdl import pdl_kwargs, pdl_start
+from detlora.ops.split_workspace import SplitWorkspace
 
 
 def write_kv_ref(
@@ -813,34 +814,34 @@ def search_block(num_seqs: int) -> int:
 
 
 class _Counters:
-    """Self-resetting int32 arrival counters for the split-KV fold, one buffer per device,
-    zeroed once at allocation (the last CTA of a tile puts its counter back to zero). An
-    outgrown buffer stays alive (``retired``): graphs captured before the growth use it."""
+    """Self-resetting int32 arrival counters for the split-KV fold: the counters of one
+    ``SplitWorkspace`` per device (zeroed once at allocation, the last CTA of a tile puts its
+    counter back to zero; an outgrown buffer stays alive for graphs captured before)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-        self.retired: list[torch.Tensor] = []
+        self._workspaces: dict[torch.device, SplitWorkspace] = {}
 
     def get(self, device: torch.device, numel: int) -> torch.Tensor | None:
         """At least ``numel`` zeros, or None when growing is impossible (graph capture)."""
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < numel:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            if buf is not None:
-                self.retired.append(buf)
-            buf = torch.zeros(max(4096, next_power_of_2(numel)), dtype=torch.int32,
-                              device=device)
-            self._buffers[device] = buf
-        return buf[:numel]
+        ws = self._workspaces.setdefault(device, SplitWorkspace(device))
+        if ws.counter_capacity < numel and device.type == "cuda" \
+                and torch.cuda.is_current_stream_capturing():
+            return None
+        return ws.counters(numel)
 
     def buffer(self, device: torch.device) -> torch.Tensor | None:
         """The whole buffer of ``device`` (None before first use), e.g. to check it is zero."""
-        return self._buffers.get(device)
+        ws = self._workspaces.get(device)
+        return None if ws is None or not ws.counter_capacity else ws.counters(
+            ws.counter_capacity)
 
     def reserve(self, device: torch.device | str, numel: int) -> None:
         """Grow ahead of a CUDA-graph capture (otherwise a capture falls back to one CTA)."""
         self.get(_device_key(torch.device(device)), numel)
+
+    @property
+    def retired(self) -> list[torch.Tensor]:
+        return [b for ws in self._workspaces.values() for b in ws.retired]
 
 
 COUNTERS = _Counters()
