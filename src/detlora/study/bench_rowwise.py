@@ -170,11 +170,14 @@ def _time_sets(make: Callable[[], object], call: Callable[[object], object],
     return time_graph_us([(lambda s=s: call(s)) for s in sets])
 
 
+_COPY_GRANULE = 4096  # elements: 8 KiB of 16-bit values
+
+
 def _time_copy(bytes_moved: int) -> float:
-    """A device-to-device copy that reads and writes bytes_moved in total, in 16-bit elements
-    (a uint8 ``copy_`` of the same bytes ran 1.4x slower on the H200 at 50 MB:
-    benchmarks/results/attention_split_threshold.json has the bf16 copy and a Triton one)."""
-    n = max(1, bytes_moved // 4)
+    """A device-to-device copy that reads and writes at least bytes_moved in total, in 16-bit
+    elements, rounded up to whole 8 KiB: ``copy_`` is a memcpy whose other sizes take a path
+    1.45x slower on the H200 (20.3 against 14.0-14.2 us around 24 MiB, copy_reference.json)."""
+    n = -(-max(1, bytes_moved // 4) // _COPY_GRANULE) * _COPY_GRANULE
 
     def make():
         return (torch.randn(n, device="cuda").to(DTYPE), torch.empty(n, dtype=DTYPE,
