@@ -86,6 +86,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # when set (>= 0): logprob of each chosen token
+    prompt_logprobs: int | None = None  # when set (>= 0): logprob of each prompt token
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
@@ -108,6 +109,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=0, high=2**64 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         ids = self.stop_token_ids

@@ -186,6 +186,20 @@ def test_n_completions_are_batch_invariant(assets):
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
 
 
+def test_prompt_logprobs_are_batch_invariant(assets):
+    model_dir, loras, prompts = assets
+    sp = SamplingParams(max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    mixed = [loras[k % 2] for k in range(6)]
+    llm = _llm(model_dir, determinism="batch_invariant")
+    alone = [llm.generate(prompts[k], sp, mixed[k], use_tqdm=False)[0].prompt_logprobs
+             for k in range(6)]
+    batch = llm.generate(prompts[:6][::-1], sp, mixed[::-1], use_tqdm=False)[::-1]
+    chunked = _llm(model_dir, determinism="batch_invariant", max_num_batched_tokens=64)
+    chunks = chunked.generate(prompts[:6], sp, mixed, use_tqdm=False)
+    assert [o.prompt_logprobs for o in batch] == alone == [o.prompt_logprobs for o in chunks]
+    assert [len(p) for p in alone] == [len(p) for p in prompts[:6]]
+
+
 def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
     from detlora.engine.sampler import _mix32, row_keys
 

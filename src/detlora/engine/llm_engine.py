@@ -25,7 +25,7 @@ from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive
 from detlora.engine.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sequence import FinishReason
 from detlora.engine.sequence import Sequence as Seq
-from detlora.engine.step_inputs import build_step_inputs
+from detlora.engine.step_inputs import StepInputs, build_step_inputs
 from detlora.engine.stop_strings import match_stop_string
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.lora.request import LoRARequest
@@ -226,9 +226,11 @@ class LLMEngine:
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has "
                              "none: use stop_token_ids")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} asks for more top tokens than the "
-                             f"vocabulary holds ({vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            want = getattr(params, name)
+            if want is not None and want > vocab:
+                raise ValueError(f"{name}={want} asks for more top tokens than the "
+                                 f"vocabulary holds ({vocab})")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt of {n} tokens is too long: max_model_len={self.max_model_len} leaves "
@@ -331,6 +333,9 @@ class LLMEngine:
         if fed_rows is not None:
             step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
         out = self.runner.execute(step, sched.is_decode_only)
+        if step.prompt_rows:
+            assert out is not None and out.prompt_logits is not None
+            self._score_prompts(step, seqs, out.prompt_logits)
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
         sampling = [s.seq for s in sched.scheduled if s.samples]
@@ -395,6 +400,18 @@ class LLMEngine:
                 finished.append(self.output_of(seq))
         return finished
 
+    def _score_prompts(self, step: StepInputs, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Append the prompt logprobs of ``step.prompt_rows`` to their sequences (in position
+        order: a sequence's rows come in order, chunk after chunk)."""
+        owners = [seqs[k] for k in step.prompt_row_seqs]
+        targets = [seq.token_ids[p + 1]
+                   for seq, p in zip(owners, step.prompt_row_positions, strict=True)]
+        scored = self.sampler.prompt_logprobs(logits, targets,
+                                              [seq.params.prompt_logprobs for seq in owners])
+        for seq, p, entry in zip(owners, step.prompt_row_positions, scored, strict=True):
+            assert p == len(seq.prompt_logprobs)
+            seq.prompt_logprobs.append(entry)
+
     def _stop_ids(self, seq: Seq) -> tuple[int, ...]:
         eos = () if seq.params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys((*eos, *seq.params.stop_token_ids)))
@@ -452,4 +469,6 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             fingerprint=self.fingerprint_of(seq.lora),
+            prompt_logprobs=None if seq.params.prompt_logprobs is None
+            else [None, *seq.prompt_logprobs],
         )

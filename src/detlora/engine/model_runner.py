@@ -128,7 +128,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=t(step.positions, torch.int64),
             attn=attn,
-            logits_indices=t(step.logits_indices, torch.int64),
+            logits_indices=t(step.prompt_rows + step.logits_indices, torch.int64),
             lora=lora,
         )
 
@@ -143,7 +143,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
         """Run one step: logits [len(step.logits_indices), V] in the model's dtype (and, from
-        a decode graph, the greedy head's [B, 2]), or None if no row samples."""
+        a decode graph, the greedy head's [B, 2]), or None if no row samples and no row scores
+        a prompt token. A step with prompt rows runs eagerly (graphs compute the sampling rows'
+        logits only); their logits come back as ``prompt_logits``."""
+        if step.prompt_rows:
+            batch = self.forward_batch(step)
+            logits = self.model(batch, upcast=False)
+            k = len(step.prompt_rows)
+            return StepLogits(logits[k:], None, logits[:k])
         if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
             out = self.graphs.run(step)
             return StepLogits(out[0], out[1] if len(out) > 1 else None)
@@ -162,3 +169,4 @@ class ModelRunner:
 class StepLogits(NamedTuple):
     logits: torch.Tensor  # [N, V], the model's dtype
     greedy: torch.Tensor | None  # float64 [N, 2] (Sampler.greedy_head), or None
+    prompt_logits: torch.Tensor | None = None  # [len(step.prompt_rows), V]

@@ -23,3 +23,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     fingerprint: str  # what decided the bits; equal fingerprints, equal outputs
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one
+    # {token_id: logprob} per prompt token (its own first, then the top ones), as in vLLM.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

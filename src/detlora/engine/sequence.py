@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # tokens 1, 2, ...
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_end: int | None = None  # characters of the output text kept (set by a stop string)

@@ -7,7 +7,7 @@ copied into the static buffers of a captured decode graph.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from detlora.engine.scheduler import SchedulerOutput
 
@@ -22,6 +22,11 @@ class StepInputs:
     seq_lens: list[int]  # [B]
     query_start_loc: list[int]  # [B + 1]
     logits_indices: list[int]  # [N]: the last row of every sequence that samples
+    # Rows whose logits score the next prompt token (SamplingParams.prompt_logprobs): the
+    # row, the index of its sequence among the scheduled ones, and its position.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_row_seqs: list[int] = field(default_factory=list)
+    prompt_row_positions: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +58,10 @@ def build_step_inputs(
     seq_lens: list[int] = []
     qsl = [0]
     logits_idx: list[int] = []
-    for item, slot in zip(sched.scheduled, adapter_slots, strict=True):
+    prompt_rows: list[int] = []
+    prompt_row_seqs: list[int] = []
+    prompt_row_positions: list[int] = []
+    for k, (item, slot) in enumerate(zip(sched.scheduled, adapter_slots, strict=True)):
         seq, n = item.seq, item.num_tokens
         start = seq.num_computed
         table = seq.block_table
@@ -64,7 +72,16 @@ def build_step_inputs(
         adapters.extend([slot] * n)
         tables.append(list(table))
         seq_lens.append(start + n)
+        if seq.params.prompt_logprobs is not None:
+            # Position p scores prompt token p + 1; positions scored before (a recompute
+            # after preemption) are not scored again.
+            for p in range(max(start, len(seq.prompt_logprobs)),
+                           min(start + n, seq.num_prompt_tokens - 1)):
+                prompt_rows.append(qsl[-1] + p - start)
+                prompt_row_seqs.append(k)
+                prompt_row_positions.append(p)
         qsl.append(qsl[-1] + n)
         if item.samples:
             logits_idx.append(qsl[-1] - 1)
-    return StepInputs(ids, pos, slots, adapters, tables, seq_lens, qsl, logits_idx)
+    return StepInputs(ids, pos, slots, adapters, tables, seq_lens, qsl, logits_idx,
+                      prompt_rows, prompt_row_seqs, prompt_row_positions)

@@ -1,0 +1,83 @@
+"""SamplingParams(prompt_logprobs=N): every prompt token scored, as Hugging Face scores it, with
+the same bits alone, in a batch, in chunks and after preemption."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from engine_helpers import random_prompts
+
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+from detlora.lora.request import LoRARequest
+
+
+def _hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+
+def test_prompt_logprobs_match_hugging_face_and_peft(llama_dir, llama_adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(3, seed=21)
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8, device="cpu")
+    sp = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    lora = LoRARequest("a", 1, str(llama_adapters[0]))
+    base = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(llama_dir)),
+                                      str(llama_adapters[0])).eval()
+    for hf, adapter in ((base, None), (tuned, lora)):
+        for prompt, out in zip(prompts, llm.generate(prompts, sp, adapter, use_tqdm=False),
+                               strict=True):
+            scored = out.prompt_logprobs
+            assert scored[0] is None and len(scored) == len(prompt)
+            mine = torch.tensor([d[t] for d, t in zip(scored[1:], prompt[1:], strict=True)])
+            torch.testing.assert_close(mine, _hf_prompt_logprobs(hf, prompt), rtol=0,
+                                       atol=1e-4)
+            for entry, token in zip(scored[1:], prompt[1:], strict=True):
+                # The prompt token first, then the top 3 (the prompt token once if among them).
+                assert next(iter(entry)) == token and len(entry) in (3, 4)
+                top = list(entry.values())[1:]
+                assert top == sorted(top, reverse=True)
+
+
+def test_prompt_logprobs_keep_their_bits_in_batches_chunks_and_preemption(llama_dir):
+    prompts = random_prompts(6, seed=22, lo=20, hi=40)
+    sp = [SamplingParams(max_tokens=6, prompt_logprobs=k % 3, temperature=0.7 * (k % 2),
+                         seed=k, logprobs=0) for k in range(6)]
+
+    def run(llm, order):
+        outs = llm.generate([prompts[k] for k in order], [sp[k] for k in order],
+                            use_tqdm=False)
+        return {k: (o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for k, o in zip(order, outs, strict=True)}
+
+    big = LLM(str(llama_dir), device="cpu", max_model_len=64)
+    ref = {k: run(big, [k])[k] for k in range(6)}
+    assert run(big, list(range(6))[::-1]) == ref
+    chunked = LLM(str(llama_dir), device="cpu", max_model_len=64, max_num_batched_tokens=7)
+    assert run(chunked, list(range(6))) == ref
+    tight = LLM(str(llama_dir), device="cpu", max_model_len=64, num_kv_blocks=12,
+                block_size=8)
+    assert run(tight, list(range(6))) == ref
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_logprobs_off_and_bad_values(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=64)
+    assert llm.generate([[3, 4, 5]], SamplingParams(max_tokens=1),
+                        use_tqdm=False)[0].prompt_logprobs is None
+    one = llm.generate([[3]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs=129 asks for more top tokens"):
+        llm.generate([[3, 4]], SamplingParams(prompt_logprobs=129), use_tqdm=False)
