@@ -134,6 +134,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from detlora.lora.request import LoRARequest
 
     try:
+        if args.prompt_logprobs and not args.json:
+            raise ValueError("--prompt-logprobs prints with --json only")
         loras: dict[str, LoRARequest] = {}
         for k, spec in enumerate(args.lora or []):
             name, sep, path = spec.partition("=")
@@ -149,7 +151,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if row["lora"] is not None and row["lora"] not in loras:
                 raise ValueError(f"prompt names adapter {row['lora']!r}, but no --lora "
                                  f"{row['lora']}=DIR was given (known: {sorted(loras)})")
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+        params = SamplingParams(max_tokens=args.max_tokens, n=args.n,
+                                temperature=args.temperature,
+                                prompt_logprobs=0 if args.prompt_logprobs else None,
                                 top_p=args.top_p, top_k=args.top_k, stop=args.stop or (),
                                 logprobs=0 if args.json else None)
         llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
@@ -163,20 +167,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"detlora generate: {e}", file=sys.stderr)
         return 2
     for row, out in zip(rows, outs, strict=True):
-        c = out.outputs[0]
-        if args.json:
-            print(json.dumps({
-                "prompt": row["prompt"], "lora": row["lora"], "text": c.text,
-                "token_ids": c.token_ids,
-                "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "fingerprint": out.fingerprint,
-            }))
-        else:
-            shown = c.text if llm.get_tokenizer() is not None else str(c.token_ids)
-            print(f"--- {row['prompt']!s} [{row['lora'] or 'base'}] "
-                  f"({c.finish_reason}, fingerprint {out.fingerprint})")
-            print(shown)
+        scored = None if out.prompt_logprobs is None else [
+            None if d is None else next(iter(d.values())) for d in out.prompt_logprobs]
+        for c in out.outputs:  # --n completions of the prompt
+            if args.json:
+                print(json.dumps({
+                    "prompt": row["prompt"], "lora": row["lora"], "index": c.index,
+                    "text": c.text, "token_ids": c.token_ids,
+                    "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "fingerprint": out.fingerprint,
+                    **({} if scored is None else {"prompt_logprobs": scored}),
+                }))
+            else:
+                shown = c.text if llm.get_tokenizer() is not None else str(c.token_ids)
+                which = f" #{c.index}" if len(out.outputs) > 1 else ""
+                print(f"--- {row['prompt']!s} [{row['lora'] or 'base'}]{which} "
+                      f"({c.finish_reason}, fingerprint {out.fingerprint})")
+                print(shown)
     return 0
 
 
@@ -234,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--prompt-logprobs", action="store_true",
+                   help="with --json: each prompt token's logprob (the first: null)")
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; excluded from it)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for sampled requests")

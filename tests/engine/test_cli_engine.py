@@ -109,6 +109,26 @@ def test_generate_with_stop_strings(demo_assets, capsys):
     assert got["token_ids"] == full["token_ids"][: len(got["token_ids"])]
 
 
+def test_generate_n_completions_and_prompt_logprobs(demo_assets, capsys):
+    model_dir, _ = demo_assets
+    base = ["generate", "--model", str(model_dir), "--prompt", "the user asks",
+            "--max-tokens", "6", "--device", "cpu", "--temperature", "1.0", "--n", "3"]
+    assert main([*base, "--json", "--prompt-logprobs"]) == 0
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [g["index"] for g in got] == [0, 1, 2]
+    llm = LLM(str(model_dir), device="cpu")
+    out = llm.generate("the user asks", SamplingParams(max_tokens=6, temperature=1.0, n=3,
+                                                       prompt_logprobs=0), use_tqdm=False)[0]
+    assert [g["token_ids"] for g in got] == [c.token_ids for c in out.outputs]
+    scored = [None] + [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+    assert all(g["prompt_logprobs"] == scored for g in got) and len(scored) >= 2
+    assert main(base) == 0
+    assert [line.split(" (")[0][-2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("---")] == ["#0", "#1", "#2"]
+    assert main([*base, "--prompt-logprobs"]) == 2
+    assert "--prompt-logprobs prints with --json only" in capsys.readouterr().err
+
+
 def test_chat_through_the_template(demo_assets):
     model_dir, _ = demo_assets
     llm = LLM(str(model_dir), device="cpu")
