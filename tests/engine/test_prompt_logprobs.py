@@ -81,3 +81,14 @@ def test_prompt_logprobs_off_and_bad_values(llama_dir):
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs=129 asks for more top tokens"):
         llm.generate([[3, 4]], SamplingParams(prompt_logprobs=129), use_tqdm=False)
+
+
+def test_the_lm_head_in_blocks_gives_the_same_scores(llama_dir, monkeypatch):
+    from detlora.engine import llm_engine
+
+    prompts = random_prompts(3, seed=23, lo=10, hi=30)
+    sp = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=64)
+    whole = [o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)]
+    monkeypatch.setattr(llm_engine, "PROMPT_BLOCK", 3)
+    assert [o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)] == whole

@@ -31,6 +31,7 @@ from detlora.layers.backend import OpBackend, make_backend
 from detlora.lora.request import LoRARequest
 
 _UNREAD = -1  # a sequence's token whose step is launched but not read yet
+PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +335,8 @@ class LLMEngine:
             step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
         out = self.runner.execute(step, sched.is_decode_only)
         if step.prompt_rows:
-            assert out is not None and out.prompt_logits is not None
-            self._score_prompts(step, seqs, out.prompt_logits)
+            assert out is not None and out.prompt_hidden is not None
+            self._score_prompts(step, seqs, out.prompt_hidden)
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
         sampling = [s.seq for s in sched.scheduled if s.samples]
@@ -400,14 +401,20 @@ class LLMEngine:
                 finished.append(self.output_of(seq))
         return finished
 
-    def _score_prompts(self, step: StepInputs, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """Append the prompt logprobs of ``step.prompt_rows`` to their sequences (in position
-        order: a sequence's rows come in order, chunk after chunk)."""
+    def _score_prompts(self, step: StepInputs, seqs: list[Seq], hidden: torch.Tensor) -> None:
+        """Append the prompt logprobs of ``step.prompt_rows`` (their hidden states) to their
+        sequences, in position order (a sequence's rows come in order, chunk after chunk).
+        The LM head runs ``PROMPT_BLOCK`` rows at a time, so a long prefill chunk never holds
+        all its [rows, V] logits at once."""
         owners = [seqs[k] for k in step.prompt_row_seqs]
         targets = [seq.token_ids[p + 1]
                    for seq, p in zip(owners, step.prompt_row_positions, strict=True)]
-        scored = self.sampler.prompt_logprobs(logits, targets,
-                                              [seq.params.prompt_logprobs for seq in owners])
+        top_n = [seq.params.prompt_logprobs for seq in owners]
+        scored: list[dict[int, float]] = []
+        for lo in range(0, len(owners), PROMPT_BLOCK):
+            logits = self.runner.prompt_logits(hidden[lo: lo + PROMPT_BLOCK])
+            scored += self.sampler.prompt_logprobs(logits, targets[lo: lo + PROMPT_BLOCK],
+                                                   top_n[lo: lo + PROMPT_BLOCK])
         for seq, p, entry in zip(owners, step.prompt_row_positions, scored, strict=True):
             assert p == len(seq.prompt_logprobs)
             seq.prompt_logprobs.append(entry)

@@ -128,7 +128,7 @@ class ModelRunner:
             input_ids=input_ids,
             positions=t(step.positions, torch.int64),
             attn=attn,
-            logits_indices=t(step.prompt_rows + step.logits_indices, torch.int64),
+            logits_indices=t(step.logits_indices, torch.int64),
             lora=lora,
         )
 
@@ -141,16 +141,27 @@ class ModelRunner:
             self._feed[: tokens.numel()].copy_(tokens.reshape(-1))
 
     @torch.inference_mode()
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on rows of ``StepLogits.prompt_hidden``: [rows, V], the model's dtype."""
+        return self.model.compute_logits(hidden, upcast=False)
+
+    @torch.inference_mode()
     def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
         """Run one step: logits [len(step.logits_indices), V] in the model's dtype (and, from
         a decode graph, the greedy head's [B, 2]), or None if no row samples and no row scores
         a prompt token. A step with prompt rows runs eagerly (graphs compute the sampling rows'
-        logits only); their logits come back as ``prompt_logits``."""
+        logits only); those rows' hidden states come back as ``prompt_hidden``, for
+        ``prompt_logits`` a block of rows at a time ([rows, V] logits of a whole prefill chunk
+        could take gigabytes)."""
         if step.prompt_rows:
             batch = self.forward_batch(step)
-            logits = self.model(batch, upcast=False)
-            k = len(step.prompt_rows)
-            return StepLogits(logits[k:], None, logits[:k])
+            hidden = self.model.hidden_states(batch)
+            logits = None
+            if step.logits_indices:
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, batch.logits_indices), upcast=False)
+            rows = torch.tensor(step.prompt_rows, dtype=torch.int64).to(self.device)
+            return StepLogits(logits, None, hidden.index_select(0, rows))
         if decode_only and self.graphs is not None and self.graphs.bucket_for(step.num_seqs):
             out = self.graphs.run(step)
             return StepLogits(out[0], out[1] if len(out) > 1 else None)
@@ -167,6 +178,6 @@ class ModelRunner:
 
 
 class StepLogits(NamedTuple):
-    logits: torch.Tensor  # [N, V], the model's dtype
+    logits: torch.Tensor | None  # [N, V], the model's dtype (None: no row samples)
     greedy: torch.Tensor | None  # float64 [N, 2] (Sampler.greedy_head), or None
-    prompt_logits: torch.Tensor | None = None  # [len(step.prompt_rows), V]
+    prompt_hidden: torch.Tensor | None = None  # [len(step.prompt_rows), H]

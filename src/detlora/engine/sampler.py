@@ -40,7 +40,6 @@ from detlora.engine.copy_fence import PinnedStaging
 from detlora.engine.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
-_PROMPT_BLOCK = 512  # prompt rows per log_softmax (an fp32 [rows, V] temporary)
 _NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
 # Moved to detlora.ops.sampling; still importable from here (see __getattr__).
 _OPS_NAMES = ("_MASK32", "_mul32", "_mix32", "gumbel_noise", "token_hash", "uniform_noise")
@@ -247,22 +246,14 @@ class Sampler:
         """Per row of ``logits``: {targets[i]: its logprob, then the row's ``top_n[i]`` best
         tokens (ties: lower id first)}, from ``log_softmax`` of the raw logits in fp32 (a
         prompt is scored, not sampled: no temperature or filters). Row-wise, so batch-invariant
-        with the backend's log_softmax; rows go in blocks (an fp32 [rows, V] at a time); one
-        read at the end."""
+        with the backend's log_softmax; one read."""
         index = torch.tensor(list(targets), dtype=torch.int64).to(logits.device)
+        lp = self._log_softmax(logits.float()).float()
+        parts = [lp.gather(1, index[:, None])[:, 0].double()]
         n = max(top_n, default=0)
-        chosen, top_vals, top_ids = [], [], []
-        for lo in range(0, logits.shape[0], _PROMPT_BLOCK):
-            lp = self._log_softmax(logits[lo: lo + _PROMPT_BLOCK].float()).float()
-            chosen.append(lp.gather(1, index[lo: lo + _PROMPT_BLOCK, None])[:, 0])
-            if n:
-                vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-                top_vals.append(vals[:, :n])
-                top_ids.append(ids[:, :n])
-        parts = [torch.cat(chosen).double()]
         if n:
-            parts += [torch.cat(top_vals).double().reshape(-1),
-                      torch.cat(top_ids).double().reshape(-1)]
+            vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+            parts += [vals[:, :n].double().reshape(-1), ids[:, :n].double().reshape(-1)]
         values = torch.cat(parts).tolist()  # fp32 logprobs and token ids are exact in float64
         rows = len(targets)
         out = []
