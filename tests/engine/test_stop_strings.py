@@ -50,6 +50,18 @@ def test_only_a_short_tail_is_decoded_without_a_match():
     assert max(calls) == 502  # the whole text, once a tail matched
 
 
+def test_a_character_completed_by_the_newest_token_counts_as_new():
+    # Byte-level tokenizers decode half a character as U+FFFD until its last byte arrives.
+    def decode_bytes(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "ok caf\u00e9"
+    ids = list(text.encode("utf-8"))  # one token per byte: "é" is two
+    assert decode_bytes(ids[:-1]).endswith("\ufffd")
+    assert match_stop_string(decode_bytes, ids, ["caf\u00e9"]) == StopMatch("caf\u00e9", 3)
+    assert match_stop_string(decode_bytes, ids, ["ok"]) is None  # complete long before
+
+
 @pytest.mark.parametrize(("stop", "message"), [
     ("", "must not be empty"), (["ok", ""], "must not be empty"),
     ([1], "string or a sequence of strings"), (5, "string or a sequence of strings"),

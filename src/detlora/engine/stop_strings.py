@@ -31,9 +31,20 @@ class StopMatch:
     text_end: int  # characters of the decoded output text to keep
 
 
+def _shared_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _new_occurrence(text: str, before: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest (start, stop) among occurrences in ``text`` that end after ``before``."""
-    new_from = len(before) if text.startswith(before) else 0
+    """The earliest (start, stop) among occurrences in ``text`` that end after the part it
+    shares with ``before`` (a character split over tokens decodes as U+FFFD until its last
+    byte arrives, so ``before`` need not be a prefix of ``text``)."""
+    new_from = _shared_prefix(text, before)
     best: tuple[int, str] | None = None
     for stop in stops:
         at = text.find(stop, max(0, new_from - len(stop) + 1))
