@@ -49,3 +49,14 @@ def test_greedy_n_gives_identical_completions_and_n_is_checked(llm):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="n must be"):
             SamplingParams(n=bad)
+
+
+def test_per_prompt_n_keeps_prompts_and_completions_in_order(llm):
+    prompts = random_prompts(3, seed=14)
+    params = [SamplingParams(max_tokens=4, n=k, temperature=1.0, seed=k) for k in (2, 1, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [[c.index for c in o.outputs] for o in outs] == [[0, 1], [0], [0, 1, 2]]
+    for prompt, sp, out in zip(prompts, params, outs, strict=True):
+        again = llm.generate(prompt, sp, use_tqdm=False)[0]
+        assert _completions(again) == _completions(out)
