@@ -200,6 +200,26 @@ def test_prompt_logprobs_are_batch_invariant(assets):
     assert [len(p) for p in alone] == [len(p) for p in prompts[:6]]
 
 
+def test_stop_strings_are_batch_invariant(tmp_path):
+    from detlora.study.demo import build_demo_assets  # a model with a tokenizer
+
+    model_dir, _ = build_demo_assets(tmp_path)
+    llm = LLM(str(model_dir), device="cuda", determinism="batch_invariant", max_num_seqs=16,
+              num_kv_blocks=256)
+    prompts = ["the engine reads the prompt and", "a sum in floating point", "the user asks",
+               "a kernel writes"]
+    full = llm.generate(prompts, SamplingParams(max_tokens=24), use_tqdm=False)
+    stops = SamplingParams(max_tokens=24, stop=[o.outputs[0].text[20:25] for o in full])
+    alone = [llm.generate(p, stops, use_tqdm=False)[0].outputs[0] for p in prompts]
+    batch = [o.outputs[0] for o in llm.generate(prompts[::-1], stops, use_tqdm=False)][::-1]
+
+    def key(c):
+        return c.text, c.token_ids, c.stop_reason, c.finish_reason
+
+    assert [key(c) for c in alone] == [key(c) for c in batch]
+    assert sum(c.finish_reason == "stop" for c in alone) >= 2
+
+
 def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
     from detlora.engine.sampler import _mix32, row_keys
 
