@@ -41,7 +41,7 @@ def test_block_manager_allocate_free_refcounts():
     bm.free(a)
     assert a.block_table == [] and bm.num_free == 3 and bm.ref_count(0) == 0
     bm.allocate(b, 12)
-    assert b.block_table == [2, 3, 0]  # FIFO free list
+    assert b.block_table == [2, 3, 1]  # FIFO free list; a frees its last page first
     with pytest.raises(ValueError):
         BlockManager(0, 4)
 

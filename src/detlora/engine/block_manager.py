@@ -1,15 +1,22 @@
-"""Paged KV cache bookkeeping: which pages (blocks) each sequence owns.
+"""Paged KV cache bookkeeping: which pages (blocks) each sequence owns, and the prefix cache.
 
 Pages are handed out from a FIFO free list, so the page numbers a run uses depend only on the
 order of allocations and frees (attention reads pages through the block table, so page numbers
-never change bits; the order just keeps runs easy to compare). Every page has a reference
-count; today each page has one owner, and prefix caching will later share pages by raising it.
+never change bits; the order just keeps runs easy to compare). A sequence frees its pages
+last page first, so with prefix caching the pages of a shared prefix are the last evicted.
+
+Prefix caching (``enable_caching``): every full page whose K/V are computed is registered
+under its content key (``block_hashes``). A new sequence whose leading pages match registered
+ones shares them (their reference count rises) and starts computing after them; at least its
+last token is always computed, so its step has a row to sample from. A page nobody references
+keeps its key while it waits in the free list, and loses it only when it is handed out again:
+the least recently freed cached page is evicted first. Shared pages are full, so nobody writes
+to them again.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
+from detlora.engine.block_hashes import extend_page_keys
 from detlora.engine.sequence import Sequence
 
 
@@ -18,15 +25,21 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        # An insertion-ordered dict as a FIFO queue that also drops a revived page in O(1).
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._ref_count = [0] * num_blocks
+        self._cached: dict[bytes, int] = {}  # content key -> page
+        self._key_of: dict[int, bytes] = {}  # page -> its content key, for registered pages
+        self.num_queried_tokens = 0  # tokens of admitted sequences looked up in the cache
+        self.num_hit_tokens = 0  # of which found
 
     @property
     def num_free(self) -> int:
@@ -52,20 +65,89 @@ class BlockManager:
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
         for _ in range(need):
-            block = self._free.popleft()
+            block = next(iter(self._free))
+            del self._free[block]
+            key = self._key_of.pop(block, None)
+            if key is not None:  # evict: the page's old K/V are about to be overwritten
+                del self._cached[key]
             self._ref_count[block] = 1
             seq.block_table.append(block)
 
-    def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; pages nobody references go back to the free list."""
-        for block in seq.block_table:
+    def free(self, seq: Sequence, *, register: bool = True) -> None:
+        """Drop ``seq``'s references, last page first; pages nobody references go back to the
+        free list (a registered page keeps its key there until it is handed out again).
+        ``register=False`` (an aborted run) adds no page to the cache."""
+        if register:
+            self.register(seq)
+        for block in reversed(seq.block_table):
             count = self._ref_count[block]
             if count < 1:
                 raise RuntimeError(f"KV block {block} freed more often than it was allocated")
             self._ref_count[block] = count - 1
             if count == 1:
-                self._free.append(block)
+                self._free[block] = None
         seq.block_table = []
+        seq.num_registered_pages = 0
+
+    # ---- prefix cache ----
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages holding the longest cached run of ``seq``'s leading full pages, short enough
+        that its last token is still computed; [] without caching."""
+        if not self.enable_caching:
+            return []
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        pages: list[int] = []
+        for key in keys[: (len(seq.token_ids) - 1) // self.block_size]:
+            page = self._cached.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Whether ``seq`` (no pages yet) can share ``cached`` and get pages for its first
+        ``num_tokens`` tokens; a shared page that sits in the free list counts against it."""
+        revived = sum(1 for page in cached if self._ref_count[page] == 0)
+        need = max(0, self.blocks_for(num_tokens) - len(cached))
+        return need + revived <= len(self._free)
+
+    def share(self, seq: Sequence, cached: list[int]) -> None:
+        """Give ``seq`` (no pages yet) the pages ``cached``: its first tokens are computed."""
+        assert not seq.block_table, "share() is for a sequence without pages"
+        for page in cached:
+            if self._ref_count[page] == 0:
+                del self._free[page]
+            self._ref_count[page] += 1
+        seq.block_table = list(cached)
+        seq.num_registered_pages = len(cached)
+        seq.num_computed = len(cached) * self.block_size
+        self.num_queried_tokens += len(seq.token_ids)
+        self.num_hit_tokens += seq.num_computed
+
+    def register(self, seq: Sequence) -> None:
+        """Register ``seq``'s full pages whose K/V are computed and whose tokens are known.
+        A key already cached keeps its page (two sequences computed the same page at once)."""
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
+        if not self.enable_caching or full <= seq.num_registered_pages:
+            return
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        end = min(full, len(keys), len(seq.block_table))
+        for i in range(seq.num_registered_pages, end):
+            page, key = seq.block_table[i], keys[i]
+            if key not in self._cached and page not in self._key_of:
+                self._cached[key] = page
+                self._key_of[page] = key
+        seq.num_registered_pages = max(seq.num_registered_pages, end)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._cached)
+
+    def reset_cache(self) -> None:
+        """Forget every registered page (pages in use stay with their sequences)."""
+        self._cached.clear()
+        self._key_of.clear()
 
     def ref_count(self, block: int) -> int:
         return self._ref_count[block]

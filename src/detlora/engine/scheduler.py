@@ -11,7 +11,10 @@ Policy (one step, a token budget of ``max_num_batched_tokens``):
    than the remaining budget runs its first part now and the rest in later steps; without it,
    a prompt waits for a step with room for all of it. A sequence whose adapter would make the
    step use more than ``max_loras`` adapters waits and the next one is considered; one that
-   cannot get pages stops admission (so a long prompt is not starved by short ones).
+   cannot get pages stops admission (so a long prompt is not starved by short ones). With
+   prefix caching a sequence first takes the cached pages of its prefix (``BlockManager``)
+   and is given only the tokens after them; a request for prompt logprobs computes every
+   position, so it takes none.
 
 A sequence is sampled in a step when the step computes its last pending token. Nothing here
 touches tensors or global state: an engine owns one scheduler and drives it step by step.
@@ -113,14 +116,21 @@ class Scheduler:
             ):
                 skipped.append(self.waiting.popleft())
                 continue
-            n = seq.num_pending
+            lookup = self.blocks.enable_caching and seq.params.prompt_logprobs is None
+            cached = self.blocks.cached_prefix(seq) if lookup else []
+            start = len(cached) * self.blocks.block_size
+            n = len(seq.token_ids) - start
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.blocks.can_allocate(seq, seq.num_computed + n):
+            if not self.blocks.can_admit(seq, cached, start + n):
                 break
             self.waiting.popleft()
+            if lookup:
+                self.blocks.share(seq, cached)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -140,7 +150,7 @@ class Scheduler:
 
     def abort_all(self) -> None:
         for seq in self.running:
-            self.blocks.free(seq)
+            self.blocks.free(seq, register=False)
             seq.status = SequenceStatus.FINISHED
         for seq in self.waiting:
             seq.status = SequenceStatus.FINISHED

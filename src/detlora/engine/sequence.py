@@ -4,7 +4,10 @@ A sequence holds its prompt and the tokens generated so far in one list. ``num_c
 counts the leading tokens whose K/V sit in the cache; the scheduler gives a step the tokens
 ``[num_computed, num_computed + n)``, and once every token is computed the step's logits row
 samples the next token. Preemption sets ``num_computed`` back to zero and frees the pages, so
-the recompute is an ordinary prefill of prompt + generated tokens. While the step that samples
+the recompute is an ordinary prefill of prompt + generated tokens (or, with prefix caching,
+a prefill after the pages still cached). ``page_keys`` are the content keys of the full pages
+of ``token_ids`` (``block_hashes``); the first ``num_registered_pages`` of ``block_table`` are
+in the prefix cache. While the step that samples
 a token is in flight (the engine runs one step ahead), its place in ``token_ids`` holds -1.
 """
 
@@ -49,6 +52,9 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_end: int | None = None  # characters of the output text kept (set by a stop string)
     num_preemptions: int = 0
+    page_keys: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -87,5 +93,6 @@ class Sequence:
         """Preempted: the pages are gone, so every token is computed again later."""
         self.num_computed = 0
         self.block_table = []
+        self.num_registered_pages = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1

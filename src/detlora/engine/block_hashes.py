@@ -1,0 +1,42 @@
+"""Content keys of full KV pages, for prefix caching.
+
+A page's key is ``sha256(parent key + its tokens)``; the first page's parent is a key of the
+adapter (name, id, path) or of the base model. Two sequences share a key for page i exactly
+when they share the adapter and every token up to the end of page i, which is when page i's
+K/V are the same computation. sha256 rather than Python's ``hash``: a false match would
+silently serve another prompt's K/V, so a collision must be out of reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+UNREAD = -1  # a token whose sampling step is launched but not read yet (llm_engine)
+
+
+def root_key(lora: object | None) -> bytes:
+    """The parent key of page 0: which weights compute the K/V."""
+    what = "base" if lora is None else repr(("lora", lora.name, lora.id, lora.path))  # type: ignore[attr-defined]
+    return hashlib.sha256(what.encode()).digest()
+
+
+def page_key(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def extend_page_keys(keys: list[bytes], token_ids: list[int], block_size: int,
+                     lora: object | None) -> list[bytes]:
+    """Append to ``keys`` the keys of the full pages of ``token_ids`` not yet keyed, stopping
+    at the first page that holds an unread token; returns ``keys``."""
+    first, end = len(keys), len(token_ids) // block_size
+    if first >= end:
+        return keys
+    parent = keys[-1] if keys else root_key(lora)
+    for i in range(first, end):
+        tokens = token_ids[i * block_size: (i + 1) * block_size]
+        if UNREAD in tokens:
+            break
+        parent = page_key(parent, tokens)
+        keys.append(parent)
+    return keys
