@@ -159,7 +159,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
                   max_lora_rank=args.max_lora_rank, determinism=args.determinism,
                   device=args.device, dtype=args.dtype, seed=args.seed,
-                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                  enable_prefix_caching=args.enable_prefix_caching)
         outs = llm.generate([row["prompt"] for row in rows], params,
                             [loras.get(row["lora"]) if row["lora"] else None for row in rows],
                             use_tqdm=len(rows) > 1)
@@ -176,7 +177,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     "text": c.text, "token_ids": c.token_ids,
                     "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "fingerprint": out.fingerprint,
+                    "num_cached_tokens": out.num_cached_tokens, "fingerprint": out.fingerprint,
                     **({} if scored is None else {"prompt_logprobs": scored}),
                 }))
             else:
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="reuse the KV pages of shared prompt prefixes "
+                                      "(default: on at batch_invariant only)")
     g.add_argument("--json", action="store_true",
                    help="one JSON line per prompt: text, token ids, logprobs, fingerprint")
     g.set_defaults(func=_cmd_generate)

@@ -144,6 +144,9 @@ class EngineConfig:
     the level's default (``DEFAULT_LORA_REDUCTION``); ``max_model_len=None`` the model's
     ``max_position_embeddings``; ``num_kv_blocks=None`` sizes the KV cache from
     ``gpu_memory_utilization`` on CUDA (from the longest possible batch on the CPU).
+    ``enable_prefix_caching=None`` turns prefix caching on at batch_invariant only: there a
+    cached prefix gives the bits its recompute would, while below it the cached K/V carry the
+    bits of the batch that computed them, so a repeated ``generate`` could change its output.
     """
 
     model: str
@@ -161,6 +164,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.85
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool | None = None
     enforce_eager: bool = False
     seed: int = 0
 
@@ -174,6 +178,10 @@ class EngineConfig:
         for flag in ("enable_lora", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.enable_prefix_caching is not None and not isinstance(
+                self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be a bool or None, got "
+                             f"{self.enable_prefix_caching!r}")
         _check_int("max_lora_rank", self.max_lora_rank, low=1)
         _check_int("max_loras", self.max_loras, low=1)
         if self.dtype not in _DTYPES:
@@ -202,6 +210,12 @@ class EngineConfig:
     @property
     def resolved_determinism(self) -> Determinism:
         return self.determinism or Determinism.BATCH_INVARIANT
+
+    @property
+    def resolved_prefix_caching(self) -> bool:
+        if self.enable_prefix_caching is not None:
+            return self.enable_prefix_caching
+        return self.resolved_determinism is Determinism.BATCH_INVARIANT
 
     @property
     def resolved_lora_reduction(self) -> LoRAReduction:

@@ -28,8 +28,8 @@ def test_demo_quick_runs_and_batch_invariant_is_identical():
     header = next(line for line in lines if line.startswith("check"))
     assert "batch_invariant" in header and "run_to_run" in header
     rows = [line for line in lines if line.startswith(("repeat", "batch of", "reverse",
-                                                       "mixed", "preempted"))]
-    assert len(rows) == 6
+                                                       "mixed", "preempted", "second turn"))]
+    assert len(rows) == 7
     # The batch_invariant column says identical for every check.
     lo, hi = header.index("batch_invariant"), header.index("run_to_run")
     assert all(row[lo:hi].strip() == "identical" for row in rows), proc.stdout
@@ -71,6 +71,24 @@ def test_generate_plain_prompt_and_errors(demo_assets, capsys):
                  "nope", "--device", "cpu"]) == 2
     assert "no --lora nope=DIR" in capsys.readouterr().err
     assert main(["generate", "--model", str(model_dir / "missing"), "--prompt", "x"]) == 2
+
+
+def test_generate_prefix_caching_flag(demo_assets, capsys):
+    model_dir, _ = demo_assets
+    base = ["generate", "--model", str(model_dir), "--prompt", "the user asks", "--max-tokens",
+            "3", "--device", "cpu", "--json"]
+
+    def run(*extra: str) -> dict:
+        assert main([*base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    # batch_invariant: the cache is on by default and does not change bits or fingerprint.
+    on, off = run(), run("--no-enable-prefix-caching")
+    assert on["num_cached_tokens"] == 0 and on == off
+    # run_to_run: off by default; asked for, it is part of the fingerprint.
+    r2r, r2r_on = run("--determinism", "run_to_run"), run("--determinism", "run_to_run",
+                                                          "--enable-prefix-caching")
+    assert r2r["fingerprint"] != r2r_on["fingerprint"]
 
 
 @pytest.mark.parametrize(("args", "lines", "message"), [

@@ -42,6 +42,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.85,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
     ) -> None:
@@ -55,8 +56,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-            seed=seed,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
         )
         ModelSpec.from_dir(model)  # config.json before the tokenizer, whose errors misname it
         tok_dir = str(tokenizer) if tokenizer is not None else model
@@ -71,6 +72,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV page; later prompts compute their prefixes again."""
+        return self.engine.reset_prefix_cache()
 
     def _token_ids(self, p: Prompt, where: str) -> tuple[list[int], str | None]:
         if p.token_ids is not None:

@@ -17,6 +17,7 @@ import torch
 
 from detlora.config import Determinism, EngineConfig, SamplingParams
 from detlora.engine import cpu_invariant_ops, kv_sizing
+from detlora.engine.block_hashes import UNREAD
 from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.model_runner import ModelRunner
@@ -30,7 +31,6 @@ from detlora.engine.stop_strings import match_stop_string
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.lora.request import LoRARequest
 
-_UNREAD = -1  # a sequence's token whose step is launched but not read yet
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
 
 
@@ -154,7 +154,8 @@ class LLMEngine:
             num_adapters=config.max_loras if config.enable_lora else None,
             use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_caching=config.resolved_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -171,6 +172,7 @@ class LLMEngine:
             "cuda_graphs": self.runner.uses_cuda_graphs, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_chunked_prefill": config.enable_chunked_prefill, "num_kv_blocks": num_blocks,
+            "enable_prefix_caching": config.resolved_prefix_caching,
         }
         self._fingerprint_parts = engine_fingerprint_parts(
             weights_hash=self.model.weights_hash(), dtype=self.dtype, device=self.device,
@@ -286,6 +288,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page (vLLM's ``reset_prefix_cache``); True when done."""
+        self.block_manager.reset_cache()
+        return True
+
     def abort_all(self) -> None:
         """Drop every unfinished request (and a step in flight) and free its pages."""
         self._inflight = None
@@ -339,6 +346,7 @@ class LLMEngine:
             self._score_prompts(step, seqs, out.prompt_hidden)
         for item in sched.scheduled:
             item.seq.num_computed += item.num_tokens
+            self.block_manager.register(item.seq)
         sampling = [s.seq for s in sched.scheduled if s.samples]
         if not sampling:
             return None
@@ -349,7 +357,7 @@ class LLMEngine:
             self.runner.feed(pending.tokens)
         positions = [len(s.token_ids) for s in sampling]
         for s in sampling:  # the token's place, filled when the step is read
-            s.token_ids.append(_UNREAD)
+            s.token_ids.append(UNREAD)
         return _InFlight(sampling, positions, pending)
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
@@ -394,6 +402,7 @@ class LLMEngine:
             seq.token_ids[pos] = result.token_id
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
+            self.block_manager.register(seq)  # a page that waited for this token
             reason = self._finish_reason(seq, result.token_id, pos + 1)
             if reason is not None:
                 del seq.token_ids[pos + 1:]  # the unread token of a step launched ahead
@@ -478,4 +487,5 @@ class LLMEngine:
             fingerprint=self.fingerprint_of(seq.lora),
             prompt_logprobs=None if seq.params.prompt_logprobs is None
             else [None, *seq.prompt_logprobs],
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )

@@ -26,3 +26,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one
     # {token_id: logprob} per prompt token (its own first, then the top ones), as in vLLM.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
