@@ -9,7 +9,7 @@
 #                     [attention-prologue] [ops-attention] [attention-stages]
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
-#                     [copy-reference] [matmul-mid-m-loads] ...
+#                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,10 @@ for step in "${steps[@]}"; do
     ops) python3 -m detlora.study.bi_ops_bench --out "$OUT/batch_invariant_ops.json" \
            || status=1 ;;
     engine) python3 -m detlora.study.bench_engine --out "$OUT/engine.json" || status=1 ;;
+    prefix-cache) python3 -m detlora.study.bench_prefix_cache --out "$OUT/prefix_caching.json" \
+                    || status=1 ;;
+    engine-tests) python3 -m pytest -q tests/gpu/test_engine_gpu.py -p no:cacheprovider 2>&1 \
+                    | tee "$OUT/engine_gpu_tests.log" | tail -n 25 || status=1 ;;
     gpu-ops-tests) python3 -m pytest -q tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py \
                      -p no:cacheprovider 2>&1 | tee "$OUT/gpu_ops_tests.log" | tail -n 25 \

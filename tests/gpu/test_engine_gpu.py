@@ -103,7 +103,7 @@ def _params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
 
 def _llm(model_dir, **kw) -> LLM:
     args = dict(enable_lora=True, max_loras=2, max_lora_rank=RANK, device="cuda",
-                max_num_seqs=32, num_kv_blocks=512)
+                max_num_seqs=32, num_kv_blocks=512, enable_prefix_caching=False)
     return LLM(str(model_dir), **{**args, **kw})
 
 
@@ -296,3 +296,33 @@ def test_step_graphs_give_the_eager_bits(assets, monkeypatch):
     assert eager.engine.runner.step_graphs is None
     ref = _batched(eager, prompts, params, mixed, 5)
     assert _diff(out, ref) == []
+
+
+def test_prefix_cache_keeps_the_bits(assets):
+    """batch_invariant with CUDA graphs: prompts whose shared prefix, or whose whole first
+    turn (prompt and answer, written by prefill and decode steps), comes from the cache give
+    the bits of the same prompts computed from scratch alone; also with preemption."""
+    model_dir, loras, prompts = assets
+    n = 12
+    shared = prompts[0] + prompts[1]  # over 16-token pages
+    asks = [shared + p[:20] for p in prompts[2:2 + n]]
+    params, mixed = _params(n), [loras[k % 2] if k % 3 else None for k in range(n)]
+    plain = _llm(model_dir, determinism="batch_invariant")
+    alone = _batched(plain, asks, params, mixed, 1)
+    cached = _llm(model_dir, determinism="batch_invariant", enable_prefix_caching=True)
+    assert cached.engine.runner.uses_cuda_graphs, cached.engine.runner.graph_error
+    first = cached.generate(asks[:3], params[:3], mixed[:3], use_tqdm=False)
+    outs = cached.generate(asks, params, mixed, use_tqdm=False)
+    assert all(o.num_cached_tokens >= len(shared) // 16 * 16 for o in outs)
+    assert _diff(first, alone[:3]) == [] and _diff(outs, alone) == []
+    turns = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    turn_alone = _batched(plain, turns, params, mixed, 1)
+    again = cached.generate(turns, params, mixed, use_tqdm=False)
+    assert all(o.num_cached_tokens > len(o.prompt_token_ids) - 32 for o in again)
+    assert _diff(again, turn_alone) == []
+    small = _llm(model_dir, determinism="batch_invariant", enable_prefix_caching=True,
+                 num_kv_blocks=40, block_size=16, max_num_batched_tokens=64)
+    pre = small.generate(asks, params, mixed, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_hit_tokens > 0
+    assert _diff(pre, alone) == []

@@ -227,7 +227,8 @@ def _engine(model_dir: Path, mode: str, plan: BenchPlan, **kw: Any) -> Any:
 
     args = dict(enable_lora=True, max_loras=2, max_lora_rank=plan.shape.rank, determinism=mode,
                 max_model_len=plan.prompt_len + plan.output_len + 16,
-                max_num_seqs=max(256, *plan.throughput_batches), max_num_batched_tokens=8192)
+                max_num_seqs=max(256, *plan.throughput_batches), max_num_batched_tokens=8192,
+                enable_prefix_caching=False)  # repeats recompute, as the protocol asks
     return LLM(str(model_dir), **{**args, **kw})
 
 
