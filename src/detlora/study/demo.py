@@ -247,9 +247,10 @@ def run_demo(
             turns = [o.prompt_token_ids + o.outputs[0].token_ids for o in full]
             turn_alone = [llm.generate(turns[k], params[k], mixed[k], use_tqdm=False)[0]
                           for k in range(n)]
+            # A fixed KV cache: on a GPU ``llm`` still holds most of the memory.
             cached = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
                          determinism=level, device=device, max_num_seqs=64,
-                         enable_prefix_caching=True)
+                         num_kv_blocks=256, enable_prefix_caching=True)
             cached.generate(prompts, params, mixed, use_tqdm=False)
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)
