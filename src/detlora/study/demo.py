@@ -11,6 +11,7 @@ says whether token ids and logprobs stayed identical to the bit.
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
@@ -255,7 +256,12 @@ def run_demo(
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)
             record(f"second turn on cached pages ({hits} tokens) vs alone", reused, turn_alone)
-            del llm, small, cached
+            # Free this level's engines before the next sizes its KV cache from free memory
+            # (``batched`` holds ``llm`` as a default argument).
+            del llm, small, cached, batched
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
     _print_table(results, levels, log)
     log(f"({time.perf_counter() - started:.1f} s)")
     return results
