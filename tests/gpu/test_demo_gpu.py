@@ -3,11 +3,6 @@ its KV cache), and batch_invariant is identical in every check."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def test_demo_runs_every_level_on_the_gpu():
     from detlora.study.demo import run_demo
