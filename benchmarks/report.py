@@ -172,6 +172,28 @@ def _engine_targets(d: dict) -> list[str]:
     return ["Against the targets: " + "; ".join(out) + "."] if out else []
 
 
+def prefix_caching(path: Path) -> list[str]:
+    d = json.loads(path.read_text())
+    plan = d["meta"]["plan"]
+    lines = [f"**Prefix caching, guardrail workload** ({_meta_line(d['meta'])}): "
+             f"{plan['requests']} requests sharing a {plan['shared_len']}-token prompt, "
+             f"{plan['unique_len']} tokens each of their own, {plan['verdict_len']} output "
+             "tokens.", ""]
+    if d["meta"].get("note"):
+        lines += [f"Note: {d['meta']['note']}", ""]
+    lines += ["| mode | cache | requests/s | prompt tok/s | cached prompt tokens |",
+              "|---|---|---|---|---|"]
+    for r in d["runs"]:
+        lines.append(f"| {r['mode']} | {'on' if r['prefix_caching'] else 'off'} | "
+                     f"{r['requests_per_s']:.1f} | {r['prompt_tok_per_s']:.0f} | "
+                     f"{r['cached_prompt_tokens']:.0f} / {r['prompt_tokens']} |")
+    lines += ["", "Cache on against cache off, token ids and logprobs exact: " + "; ".join(
+        f"{r['mode']} {r['differing']}/{r['comparisons']} outputs differ"
+        for r in d["determinism"]) + ". Speed-up with the cache: " + ", ".join(
+        f"{mode} {x:.1f}x" for mode, x in d.get("speedup", {}).items()) + "."]
+    return lines
+
+
 def other(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     meta = d.get("meta")
@@ -188,6 +210,8 @@ def tables() -> list[str]:
             out += [*batch_invariant_ops(path), ""]
         elif path.name == "engine.json":
             out += [*engine(path), ""]
+        elif path.name == "prefix_caching.json":
+            out += [*prefix_caching(path), ""]
         elif path.name != "lora_sweep.json":
             out += [*other(path), ""]
     return out
