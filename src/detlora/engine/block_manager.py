@@ -16,6 +16,8 @@ to them again.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from detlora.engine.block_hashes import extend_page_keys
 from detlora.engine.sequence import Sequence
 
@@ -33,8 +35,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # An insertion-ordered dict as a FIFO queue that also drops a revived page in O(1).
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # A FIFO queue that also drops a revived page in O(1). Not a plain dict: taking its
+        # first key skips every key deleted before it, quadratic over a run.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_count = [0] * num_blocks
         self._cached: dict[bytes, int] = {}  # content key -> page
         self._key_of: dict[int, bytes] = {}  # page -> its content key, for registered pages
@@ -65,8 +68,7 @@ class BlockManager:
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
         for _ in range(need):
-            block = next(iter(self._free))
-            del self._free[block]
+            block, _ = self._free.popitem(last=False)
             key = self._key_of.pop(block, None)
             if key is not None:  # evict: the page's old K/V are about to be overwritten
                 del self._cached[key]
