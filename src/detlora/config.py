@@ -79,7 +79,7 @@ class SamplingParams:
     the one completion of ``n=1``.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len
     n: int = 1  # completions per prompt
     temperature: float = 0.0
     top_k: int = -1  # 0 or -1: off
@@ -94,7 +94,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("n", self.n, low=1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")

@@ -245,13 +245,20 @@ class LLMEngine:
                                  "enable_lora=False")
             if not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-        pages = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len) - 1)
+        pages = self.block_manager.blocks_for(self._max_len(n, params) - 1)
         if pages > self.block_manager.num_blocks:
+            outputs = params.max_tokens or f"up to max_model_len={self.max_model_len}"
             raise ValueError(
                 f"the KV cache ({self.block_manager.num_blocks} blocks of "
                 f"{self.config.block_size} tokens) cannot hold one sequence of "
-                f"{n} prompt + {params.max_tokens} output tokens; raise num_kv_blocks"
+                f"{n} prompt + {outputs} output tokens; raise num_kv_blocks"
             )
+
+    def _max_len(self, prompt_len: int, params: SamplingParams) -> int:
+        """Prompt + max_tokens, capped at max_model_len (max_tokens=None: the cap)."""
+        if params.max_tokens is None:
+            return self.max_model_len
+        return min(prompt_len + params.max_tokens, self.max_model_len)
 
     def add_request(
         self,
@@ -279,7 +286,7 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             sample_seed=seed,
-            max_len=min(len(ids) + params.max_tokens, self.max_model_len),
+            max_len=self._max_len(len(ids), params),
             lora=lora,
         )
         self.scheduler.add(seq)
@@ -379,8 +386,7 @@ class LLMEngine:
             if (
                 id(seq) not in rows
                 or seq.num_pending != 1
-                or length >= seq.max_len
-                or length - seq.num_prompt_tokens >= seq.params.max_tokens
+                or length >= seq.max_len  # max_tokens or max_model_len
             ):
                 return None
             pages += self.block_manager.blocks_needed(seq, length)
@@ -453,7 +459,7 @@ class LLMEngine:
         if token in params.stop_token_ids:
             seq.stop_reason = token
             return FinishReason.STOP
-        if outputs >= params.max_tokens or length >= seq.max_len:
+        if length >= seq.max_len:  # max_tokens or max_model_len
             return FinishReason.LENGTH
         return None
 
