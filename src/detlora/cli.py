@@ -155,6 +155,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                 temperature=args.temperature,
                                 prompt_logprobs=0 if args.prompt_logprobs else None,
                                 top_p=args.top_p, top_k=args.top_k, stop=args.stop or (),
+                                repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
                                 logprobs=0 if args.json else None)
         llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
                   max_lora_rank=args.max_lora_rank, determinism=args.determinism,
@@ -244,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--prompt-logprobs", action="store_true",
                    help="with --json: each prompt token's logprob (the first: null)")
     g.add_argument("--stop", action="append", metavar="TEXT",

@@ -7,7 +7,7 @@ tests can read settings without touching the GPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -92,6 +92,13 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/stop_strings.py
     include_stop_str_in_output: bool = False
+    # Logit adjustments, in vLLM's order (engine/logit_adjust.py): allowed tokens, bias, then
+    # penalties over the prompt and output tokens (repetition) or the output (the other two).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)  # clamped to +-100
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -130,6 +137,29 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be a bool, got "
                              f"{self.include_stop_str_in_output!r}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _check_number(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, "
+                                 f"got {self.logit_bias!r}")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias token ids", t, low=0)
+                bias[t] = min(100.0, max(-100.0, float(_check_number(f"logit_bias[{t}]", b))))
+            object.__setattr__(self, "logit_bias", bias)
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty sequence of ints, "
+                                 f"got {ids!r}")
+            for t in ids:
+                _check_int("allowed_token_ids entries", t, low=0)
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))
 
     @property
     def greedy(self) -> bool:
@@ -225,6 +255,12 @@ class EngineConfig:
 
 # "auto" follows config.json's torch_dtype on CUDA and uses float32 on the CPU.
 _DTYPES = {"auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"}
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:

@@ -96,6 +96,8 @@ def test_generate_prefix_caching_flag(demo_assets, capsys):
     (["--lora", "a=ADAPTER0", "--lora", "a=ADAPTER1"], None, "--lora a= is given twice"),
     (["--prompt-lora", "a"], ['{"prompt": "x"}'], "--prompt-lora goes with --prompt"),
     ([], ['{"prompt": "x", "lora": 3}'], 'p.jsonl:1: "lora" must be an adapter name'),
+    (["--repetition-penalty", "0"], None, "repetition_penalty must be > 0"),
+    (["--frequency-penalty", "3"], None, "frequency_penalty must be in [-2, 2]"),
 ])
 def test_generate_refuses_bad_adapter_arguments(demo_assets, tmp_path, capsys, args, lines,
                                                 message):

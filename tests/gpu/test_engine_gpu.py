@@ -326,3 +326,25 @@ def test_prefix_cache_keeps_the_bits(assets):
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.block_manager.num_hit_tokens > 0
     assert _diff(pre, alone) == []
+
+
+def test_logit_adjustments_are_batch_invariant(assets):
+    """Penalties (no step run ahead), logit bias and allowed tokens on bf16 logits with CUDA
+    graphs: alone and in a reversed batch beside plain rows, the same bits."""
+    model_dir, loras, prompts = assets
+    n = 9
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1, seed=k,
+                             temperature=0.9 if k % 2 else 0.0, repetition_penalty=1.3,
+                             presence_penalty=0.4, frequency_penalty=0.2) if k % 3 == 0 else
+              SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1, seed=k,
+                             temperature=0.8, allowed_token_ids=[5, 6, 7, 300]) if k % 3 == 1
+              else SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1,
+                                  logit_bias={11: 8.0, 12: -100.0})
+              for k in range(n)]
+    mixed = [loras[k % 2] if k % 4 else None for k in range(n)]
+    llm = _llm(model_dir, determinism="batch_invariant")
+    alone = _batched(llm, prompts[:n], params, mixed, 1)
+    rev = llm.generate(prompts[:n][::-1], params[::-1], mixed[::-1], use_tqdm=False)[::-1]
+    assert _diff(rev, alone) == []
+    assert all(set(alone[k].outputs[0].token_ids) <= {5, 6, 7, 300} for k in (1, 4, 7))
+    assert all(12 not in alone[k].outputs[0].token_ids for k in (2, 5, 8))

@@ -20,6 +20,7 @@ from detlora.engine import cpu_invariant_ops, kv_sizing
 from detlora.engine.block_hashes import UNREAD
 from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
+from detlora.engine.logit_adjust import has_penalties, row_adjust
 from detlora.engine.model_runner import ModelRunner
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive_seed
@@ -229,6 +230,12 @@ class LLMEngine:
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has "
                              "none: use stop_token_ids")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): "
+                                 f"{bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             want = getattr(params, name)
             if want is not None and want > vocab:
@@ -387,6 +394,8 @@ class LLMEngine:
                 id(seq) not in rows
                 or seq.num_pending != 1
                 or length >= seq.max_len  # max_tokens or max_model_len
+                # Penalties read the output tokens; this step's input is still on the device.
+                or has_penalties(seq.params)
             ):
                 return None
             pages += self.block_manager.blocks_needed(seq, length)
@@ -440,7 +449,8 @@ class LLMEngine:
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
         banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
-        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned)
+        adjust = row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust)
 
     def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does (vLLM's

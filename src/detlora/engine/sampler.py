@@ -14,6 +14,8 @@ parameters, seed and position, never on which other rows share the step:
   dtype; ties: lower token id first); top-p keeps the shortest prefix of that order whose
   probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
   sums do not depend on the scan order (``detlora.engine.token_filter``);
+* first, a row's ``allowed_token_ids``, ``logit_bias`` and penalties adjust its fp32 logits
+  (``detlora.engine.logit_adjust``); a call with such a row ranks every row in fp32;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
   The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
   row only when a request wants top logprobs.
@@ -37,6 +39,7 @@ import torch
 
 from detlora.config import SamplingParams
 from detlora.engine.copy_fence import PinnedStaging
+from detlora.engine.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments
 from detlora.engine.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
@@ -63,6 +66,7 @@ class SampleRequest:
     seed: int  # 64-bit
     position: int  # index the sampled token will take in its sequence
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+    adjust: RowAdjust | None = None  # allowed tokens, logit bias, penalties
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,46 @@ def _column_of(
 def _fp32_bits(values: Sequence[float]) -> list[int]:
     """The fp32 bit patterns (as unsigned ints) of Python floats, rounded as torch rounds."""
     return array.array("I", array.array("f", values).tobytes()).tolist()
+
+
+def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[str, slice]:
+    """Every adjusted row's entries, flat, into the upload: one section per field (floats as
+    fp32 bits); ``_adjust_tensors`` reads them back on the device."""
+    ints: dict[str, list[int]] = {k: [] for k in (
+        "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols", "seen_rows",
+        "seen_cols")}
+    floats: dict[str, list[float]] = {k: [] for k in (
+        "bias_values", "seen_counts", "repetition", "presence", "frequency")}
+    for i, a in rows:
+        if a.allowed:
+            ints["masked_rows"].append(i)
+            ints["allowed_rows"] += [i] * len(a.allowed)
+            ints["allowed_cols"] += a.allowed
+        ints["bias_rows"] += [i] * len(a.bias_tokens)
+        ints["bias_cols"] += a.bias_tokens
+        floats["bias_values"] += a.bias_values
+        k = len(a.seen_tokens)
+        ints["seen_rows"] += [i] * k
+        ints["seen_cols"] += a.seen_tokens
+        floats["seen_counts"] += a.seen_counts
+        floats["repetition"] += [a.repetition] * k
+        floats["presence"] += [a.presence] * k
+        floats["frequency"] += [a.frequency] * k
+    sections = {k: up.add(v) for k, v in ints.items() if v}
+    sections |= {k: up.add(_fp32_bits(v)) for k, v in floats.items() if v}
+    return sections
+
+
+def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice]) -> AdjustTensors:
+    floats = {"bias_values", "seen_counts", "repetition", "presence", "frequency"}
+
+    def get(name: str) -> torch.Tensor | None:
+        if name not in sections:
+            return None
+        t = dev[sections[name]]
+        return t.view(torch.float32)[::2] if name in floats else t  # low half: little-endian
+
+    return AdjustTensors(**{name: get(name) for name in AdjustTensors.__dataclass_fields__})
 
 
 class PendingSample:
@@ -291,7 +335,7 @@ class Sampler:
             return PendingSample.read(torch.empty(0, dtype=torch.int64), None, lambda v: [])
         if greedy is not None and all(
             r.params.greedy and not r.banned_token_ids and not r.params.logprobs
-            for r in requests
+            and r.adjust is None for r in requests
         ):
             if tuple(greedy.shape) != (n, 2):
                 raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
@@ -310,6 +354,7 @@ class Sampler:
         want: list[int] = []
         banned_rows: list[int] = []
         banned_cols: list[int] = []
+        adjusted: list[tuple[int, RowAdjust]] = []
         for i, r in enumerate(requests):
             (greedy_rows if r.params.greedy else sampled).append(i)
             if r.params.logprobs is not None:
@@ -317,11 +362,14 @@ class Sampler:
             if r.banned_token_ids:
                 banned_rows += [i] * len(r.banned_token_ids)
                 banned_cols += r.banned_token_ids
+            if r.adjust is not None:
+                adjusted.append((i, r.adjust))
         top_n = max((requests[i].params.logprobs for i in want), default=0)
         # The greedy head answers the greedy rows (token and chosen logprob) unless one bans
         # tokens or a row wants top logprobs: only the sampled rows are then computed here.
         use_head = (greedy is not None and bool(greedy_rows) and bool(sampled) and top_n == 0
-                    and not any(requests[i].banned_token_ids for i in greedy_rows))
+                    and not any(requests[i].banned_token_ids or requests[i].adjust is not None
+                                for i in greedy_rows))
         if use_head and tuple(greedy.shape) != (n, 2):
             raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
         up = _Upload()
@@ -330,6 +378,7 @@ class Sampler:
         w_rows = up.rows(want, n) if want else slice(None)
         if banned_rows:
             banned_sec = up.add(banned_rows), up.add(banned_cols)
+        adjust_secs = _pack_adjustments(up, adjusted) if adjusted else None
         if sampled:
             params = [requests[i].params for i in sampled]
             mix = self._ops._mix32
@@ -365,8 +414,14 @@ class Sampler:
 
         # ---- device.
         raw = logits  # the model's dtype: the filters rank these (bf16: a 16-bit sort)
+        if adjust_secs is not None:
+            # Adjusted values are not exact in 16 bits: this call works in fp32 (an unadjusted
+            # row's fp32 upcast ranks and samples as its 16-bit values do).
+            raw = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            apply_adjustments(raw, _adjust_tensors(dev, adjust_secs))
         if banned_rows:
-            raw = logits.clone()  # the caller's logits stay untouched
+            if raw is logits:
+                raw = logits.clone()  # the caller's logits stay untouched
             raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
         # fp32 rows for the greedy rows the head does not answer (no copy when already fp32);
         # a batch of sampled rows alone never reads them.
@@ -380,7 +435,7 @@ class Sampler:
             top_k_t = dev[top_k_sec] if top_k_sec is not None else None
             limit_t = dev[limit_sec] if limit_sec is not None else None
             rows = raw[s_sel]  # 16-bit logits are gathered as they are: no fp32 round trip
-            if self._rank_dtype is not None and rows.dtype == torch.float32:
+            if self._rank_dtype is not None and rows.dtype == torch.float32 and not adjusted:
                 rows = rows.to(self._rank_dtype)  # exact: the same values, ranks and ties
             filtered = filter_logits(rows, temps, top_k_t, limit_t,
                                      log_softmax=self._log_softmax, kernels=kernels)

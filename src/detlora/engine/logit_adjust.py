@@ -1,0 +1,125 @@
+"""Per-row logit adjustments before sampling: vLLM's ``allowed_token_ids``, ``logit_bias`` and
+repetition, presence and frequency penalties, applied in vLLM's order.
+
+Semantics, per logits row ``x`` (fp32: the sampler's upcast of the LM head's output), with
+``out`` the row's output tokens so far and ``seen`` the set of its prompt and output tokens:
+
+    if allowed_token_ids: x[t] = -inf for every t not in it
+    x[t] += logit_bias[t]                                  for t in logit_bias
+    x[t] = x[t] / rep if x[t] > 0 else x[t] * rep          for t in seen (rep != 1)
+    x[t] = x[t] - frequency * out.count(t)                 for t in seen
+    x[t] = x[t] - presence * (out.count(t) > 0)            for t in seen
+
+Every step touches one row's own entries with elementwise fp32 ops, so a row's result does not
+depend on the other rows of the batch. ``adjust_row_ref`` is the torch reference of one row.
+A row needs its output tokens when it has penalties: the engine then does not run a step ahead
+(its input token is still on the device).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from detlora.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowAdjust:
+    """One row's adjustments, flattened for the sampler's upload."""
+
+    allowed: tuple[int, ...] = ()
+    bias_tokens: tuple[int, ...] = ()
+    bias_values: tuple[float, ...] = ()
+    seen_tokens: tuple[int, ...] = ()  # prompt and output tokens: the penalised entries
+    seen_counts: tuple[int, ...] = ()  # occurrences of each in the output
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
+               output_ids: Sequence[int]) -> RowAdjust | None:
+    """The adjustments of a row that samples after ``output_ids``; None when it has none."""
+    penalties = has_penalties(params)
+    if not (penalties or params.logit_bias or params.allowed_token_ids):
+        return None
+    seen: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+    if penalties:
+        if any(t < 0 for t in output_ids):
+            raise RuntimeError("penalties need every output token on the host")
+        out = Counter(output_ids)
+        seen = tuple(dict.fromkeys([*prompt_ids, *output_ids]))
+        counts = tuple(out.get(t, 0) for t in seen)
+    bias = params.logit_bias or {}
+    return RowAdjust(
+        allowed=params.allowed_token_ids or (),
+        bias_tokens=tuple(bias), bias_values=tuple(bias.values()),
+        seen_tokens=seen, seen_counts=counts, repetition=params.repetition_penalty,
+        presence=params.presence_penalty, frequency=params.frequency_penalty,
+    )
+
+
+@dataclass(frozen=True)
+class AdjustTensors:
+    """The adjustments of one call's rows as flat index and value tensors (on the device)."""
+
+    allowed_rows: torch.Tensor | None  # [A] row of each allowed entry
+    allowed_cols: torch.Tensor | None
+    masked_rows: torch.Tensor | None  # rows that have an allowed list
+    bias_rows: torch.Tensor | None
+    bias_cols: torch.Tensor | None
+    bias_values: torch.Tensor | None  # fp32
+    seen_rows: torch.Tensor | None
+    seen_cols: torch.Tensor | None
+    seen_counts: torch.Tensor | None  # fp32
+    repetition: torch.Tensor | None  # fp32, one per seen entry
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+
+
+def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
+    """Adjust the fp32 logits ``x`` [N, V] in place (Semantics above)."""
+    if t.allowed_rows is not None:
+        keep = x[t.allowed_rows, t.allowed_cols]
+        x[t.masked_rows] = float("-inf")
+        x[t.allowed_rows, t.allowed_cols] = keep
+    if t.bias_rows is not None:
+        x[t.bias_rows, t.bias_cols] = x[t.bias_rows, t.bias_cols] + t.bias_values
+    if t.seen_rows is not None:
+        v = x[t.seen_rows, t.seen_cols]
+        v = torch.where(v > 0, v / t.repetition, v * t.repetition)
+        v = v - t.frequency * t.seen_counts
+        v = v - t.presence * (t.seen_counts > 0).to(v.dtype)
+        x[t.seen_rows, t.seen_cols] = v
+
+
+def adjust_row_ref(x: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                   output_ids: Sequence[int]) -> torch.Tensor:
+    """Torch reference: one row [V] adjusted as Semantics says, element by element."""
+    x = x.float().clone()
+    if params.allowed_token_ids:
+        keep = torch.full_like(x, float("-inf"))
+        idx = torch.tensor(params.allowed_token_ids)
+        keep[idx] = x[idx]
+        x = keep
+    for t, b in (params.logit_bias or {}).items():
+        x[t] = x[t] + torch.tensor(b, dtype=torch.float32)
+    if has_penalties(params):
+        out = Counter(output_ids)
+        rep = torch.tensor(params.repetition_penalty, dtype=torch.float32)
+        for t in dict.fromkeys([*prompt_ids, *output_ids]):
+            v = x[t] / rep if x[t] > 0 else x[t] * rep
+            v = v - torch.tensor(params.frequency_penalty, dtype=torch.float32) * out[t]
+            v = v - torch.tensor(params.presence_penalty, dtype=torch.float32) * (out[t] > 0)
+            x[t] = v
+    return x

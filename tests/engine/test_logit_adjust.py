@@ -1,0 +1,168 @@
+"""allowed_token_ids, logit_bias and penalties: the sampler's flat adjustment against the
+per-row torch reference (bit for bit), row independence, the engine against Hugging Face's
+repetition penalty, and bad values refused."""
+
+import random
+import warnings
+
+import pytest
+import torch
+from engine_helpers import VOCAB, random_prompts, same_outputs
+
+from detlora.config import SamplingParams
+from detlora.engine.llm import LLM
+from detlora.engine.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
+from detlora.engine.sampler import (
+    Sampler,
+    SampleRequest,
+    _adjust_tensors,
+    _pack_adjustments,
+    _Upload,
+)
+from detlora.ops.reductions import argmax_ref
+from detlora.ops.softmax import log_softmax_ref
+
+
+def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(100), logprobs=rng.choice([None, 2]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
+        presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.25, -0.5]),
+        logit_bias=rng.choice([None, {rng.randrange(vocab): rng.uniform(-5, 5)
+                                      for _ in range(3)}]),
+        allowed_token_ids=rng.choice([None, rng.sample(range(vocab), 5)]))
+
+
+def test_flat_adjustment_is_the_reference_bit_for_bit():
+    rng = random.Random(0)
+    vocab = 50
+    for _ in range(30):
+        n = rng.choice([1, 3, 6])
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(rng.randrange(99)))
+        rows, want = [], []
+        for i in range(n):
+            params = _random_params(rng, vocab)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+            out = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+            adjust = row_adjust(params, prompt, out)
+            want.append(adjust_row_ref(logits[i], params, prompt, out))
+            if adjust is not None:
+                rows.append((i, adjust))
+            else:
+                assert torch.equal(want[-1], logits[i])
+        up = _Upload()
+        sections = _pack_adjustments(up, rows)
+        x = logits.clone()
+        if rows:
+            apply_adjustments(x, _adjust_tensors(up.send(torch.device("cpu"), None), sections))
+        assert torch.equal(x, torch.stack(want))
+
+
+def test_each_adjustment_does_what_it_says():
+    x = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
+    allowed = adjust_row_ref(x, SamplingParams(allowed_token_ids=[1, 3]), [], [])
+    assert allowed.tolist() == [float("-inf"), -2.0, float("-inf"), 0.5, float("-inf")]
+    biased = adjust_row_ref(x, SamplingParams(logit_bias={2: 500.0}), [], [])
+    assert biased[2].item() == 101.0  # clamped to +100
+    rep = adjust_row_ref(x, SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.5, 3.0]  # positive halved, negative doubled
+    pen = adjust_row_ref(x, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
+                         [4], [3, 3, 1])
+    assert pen.tolist() == [2.0, -3.5, 1.0, -1.5, 3.0]  # prompt token 4 untouched
+
+
+def test_a_rows_result_does_not_depend_on_the_others():
+    rng = random.Random(3)
+    vocab = 40
+    s = Sampler(argmax_ref, log_softmax_ref, logits_dtype=torch.bfloat16)
+    for _ in range(10):
+        n = 5
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(
+            rng.randrange(99))).bfloat16()
+        reqs = []
+        for i in range(n):
+            params = _random_params(rng, vocab) if i % 2 else SamplingParams(
+                temperature=rng.choice([0.0, 0.8]), seed=i, logprobs=1)
+            reqs.append(SampleRequest(params, seed=i, position=7, adjust=row_adjust(
+                params, [1, 2, 3], [4, 4, 5])))
+        together = s(logits, reqs)
+        for i in range(n):  # alone: unadjusted rows stay on the 16-bit path
+            alone = s(logits[i: i + 1], [reqs[i]])[0]
+            assert (alone.token_id, alone.logprobs) == (together[i].token_id,
+                                                        together[i].logprobs)
+        for r, req in zip(together, reqs, strict=True):
+            if req.params.allowed_token_ids:
+                assert r.token_id in req.params.allowed_token_ids
+
+
+def hf_greedy_with_repetition_penalty(model, prompt, n, penalty):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, eos_token_id=None,
+                             repetition_penalty=penalty)
+    return out[0, len(prompt):].tolist()
+
+
+def test_repetition_penalty_matches_hugging_face(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
+    llm = LLM(str(llama_dir), device="cpu")
+    prompts = random_prompts(4, seed=8, lo=3, hi=12)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    ours = llm.generate(prompts, sp, use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)
+    for p, o in zip(prompts, ours, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy_with_repetition_penalty(hf, p, 16, 1.8)
+    assert [o.outputs[0].token_ids for o in ours] != [o.outputs[0].token_ids for o in plain]
+
+
+def test_engine_outputs_are_batch_invariant_and_follow_the_rules(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu")
+    prompts = random_prompts(6, seed=9)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1, seed=k,
+                             temperature=0.9 if k % 2 else 0.0,
+                             frequency_penalty=0.8, presence_penalty=0.3,
+                             repetition_penalty=1.2) if k % 3 == 0 else
+              SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1,
+                             allowed_token_ids=[5, 6, 7]) if k % 3 == 1 else
+              SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1,
+                             logit_bias={9: 100.0}, temperature=1.0, seed=k)
+              for k in range(6)]
+    alone = [llm.generate(prompts[k], params[k], use_tqdm=False)[0] for k in range(6)]
+    batch = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
+    assert all(same_outputs(a, b) for a, b in zip(alone, batch, strict=True))
+    assert set(alone[1].outputs[0].token_ids) <= {5, 6, 7}
+    assert set(alone[2].outputs[0].token_ids) == {9}
+    # Run ahead (the GPU's default) waits for the tokens penalties read: the same bits.
+    ahead = LLM(str(llama_dir), device="cpu")
+    ahead.engine.run_ahead = True
+    outs = ahead.generate(prompts, params, use_tqdm=False)
+    assert all(same_outputs(a, b) for a, b in zip(alone, outs, strict=True))
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"frequency_penalty": "1"}, "frequency_penalty must be a finite number"),
+    ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+    ({"logit_bias": {"a": 1.0}}, "logit_bias token ids must be an int"),
+    ({"logit_bias": {1: float("inf")}}, r"logit_bias\[1\] must be a finite number"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty sequence"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids entries must be >= 0"),
+])
+def test_bad_values_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu")
+    for kw, name in (({"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
+                     ({"allowed_token_ids": [3, VOCAB + 4]}, "allowed_token_ids")):
+        with pytest.raises(ValueError, match=f"{name} names token ids outside the vocabulary"):
+            llm.generate([5, 6], SamplingParams(**kw), use_tqdm=False)
