@@ -60,3 +60,31 @@ def test_per_prompt_n_keeps_prompts_and_completions_in_order(llm):
     for prompt, sp, out in zip(prompts, params, outs, strict=True):
         again = llm.generate(prompt, sp, use_tqdm=False)[0]
         assert _completions(again) == _completions(out)
+
+
+def test_the_prompt_is_scored_once_for_n_completions(llm):
+    prompt = random_prompts(1, seed=13, lo=20, hi=21)[0]
+    scored: list[int] = []
+    runner = llm.engine.runner
+    original = runner.prompt_logits
+    runner.prompt_logits = lambda hidden: (scored.append(hidden.shape[0]), original(hidden))[1]
+    try:
+        params = SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=5, prompt_logprobs=1)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    finally:
+        runner.prompt_logits = original
+    assert sum(scored) == len(prompt) - 1  # one completion's rows, not three
+    one = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=5,
+                                              prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.prompt_logprobs == one.prompt_logprobs
+
+
+def test_cumulative_logprob_sums_the_chosen_tokens(llm):
+    prompt = random_prompts(1, seed=14)[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=2,
+                                              logprobs=2), use_tqdm=False)[0]
+    for c in out.outputs:
+        chosen = [d[t] for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert c.cumulative_logprob == sum(chosen) and c.cumulative_logprob < 0
+    plain = llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None

@@ -106,9 +106,11 @@ class LLM:
         encoded = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(parsed)]
         for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
             self.engine.check_request(ids, sp, lr)
+        # Completion 0 scores the prompt (prompt_logprobs) for all n of them.
         groups = [
-            [self.engine.add_request(ids, sp, lora=lr, prompt=text, sample_index=i)
-             for i in range(sp.n)]
+            [self.engine.add_request(
+                ids, sp if i == 0 else dataclasses.replace(sp, prompt_logprobs=None), lora=lr,
+                prompt=text, sample_index=i) for i in range(sp.n)]
             for (ids, text), sp, lr in zip(encoded, params, loras, strict=True)
         ]
         outs = self._run([s for g in groups for s in g], use_tqdm)

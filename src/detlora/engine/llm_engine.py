@@ -486,13 +486,17 @@ class LLMEngine:
         text = self.detokenize(out_ids) if self.detokenize is not None else ""
         if seq.text_end is not None:
             text = text[: seq.text_end]
+        logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         completion = CompletionOutput(
             index=0,
             text=text,
             token_ids=list(out_ids),
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
+            # Each entry lists the chosen token first; summed in token order.
+            cumulative_logprob=None if logprobs is None
+            else sum(next(iter(d.values())) for d in logprobs),
         )
         return RequestOutput(
             request_id=seq.request_id,

@@ -13,6 +13,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token
     finish_reason: str | None  # "length" | "stop", None while unfinished
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (with logprobs)
 
 
 @dataclass(frozen=True)
