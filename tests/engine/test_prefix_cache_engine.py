@@ -121,3 +121,23 @@ def test_below_batch_invariant_the_cache_is_off_unless_asked(case, llama_dir):
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 32
     # There the cache decides bits, so it is part of the fingerprint.
     assert a.fingerprint != b.fingerprint
+
+
+def test_qwen3_cached_prefixes_give_the_uncached_bits(qwen3_dir, qwen3_adapter):
+    """Qwen3's q/k norms sit between the projection and the cache: the same promise."""
+    g = torch.Generator().manual_seed(12)
+    system = torch.randint(2, VOCAB, (SYSTEM,), generator=g).tolist()
+    prompts = [system + torch.randint(2, VOCAB, (4 + k,), generator=g).tolist()
+               for k in range(4)]
+    lora = LoRARequest("q", 1, str(qwen3_adapter))
+    loras = [lora, None, lora, None]
+    sp = SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True, temperature=0.8, seed=4)
+    kw = dict(enable_lora=True, max_loras=1, max_lora_rank=8, device="cpu")
+    plain = LLM(str(qwen3_dir), enable_prefix_caching=False, **kw)
+    alone = [plain.generate(p, sp, lr, use_tqdm=False)[0] for p, lr in zip(prompts, loras,
+                                                                              strict=True)]
+    cached = LLM(str(qwen3_dir), **kw)
+    cached.generate(prompts[:2], sp, loras[:2], use_tqdm=False)
+    outs = cached.generate(prompts, sp, loras, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs[2:]] == [32, 32]
+    assert_same(outs, alone)
