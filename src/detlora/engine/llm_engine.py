@@ -302,6 +302,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Drop the unfinished requests with these ids (vLLM's ``abort_request``): their
+        pages are freed, and ``step`` returns nothing for them. Finished or unknown ids are
+        ignored. A row of theirs in a step already launched is read and dropped."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request_id in ids:
+                self.scheduler.abort(seq)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page (vLLM's ``reset_prefix_cache``); True when done."""
         self.block_manager.reset_cache()

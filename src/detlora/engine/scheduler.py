@@ -157,6 +157,15 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished ``seq``, waiting or running; its computed pages stay cached."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+        elif seq.status is SequenceStatus.RUNNING:
+            self.finish(seq, FinishReason.ABORT)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """``seq`` is done: release its pages and drop it from the running list."""
         self.blocks.free(seq)

@@ -28,6 +28,7 @@ class SequenceStatus(str, Enum):
 class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     STOP = "stop"  # an EOS or stop token was generated, or a stop string completed
+    ABORT = "abort"  # dropped by LLMEngine.abort_request
 
 
 @dataclass(eq=False)
