@@ -84,6 +84,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = -1  # 0 or -1: off
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the best one's (0: off)
     seed: int | None = None
     logprobs: int | None = None  # when set (>= 0): logprob of each chosen token
     prompt_logprobs: int | None = None  # when set (>= 0): logprob of each prompt token
@@ -137,6 +138,8 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("include_stop_str_in_output must be a bool, got "
                              f"{self.include_stop_str_in_output!r}")
+        if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")

@@ -31,7 +31,8 @@ def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
         frequency_penalty=rng.choice([0.0, 0.25, -0.5]),
         logit_bias=rng.choice([None, {rng.randrange(vocab): rng.uniform(-5, 5)
                                       for _ in range(3)}]),
-        allowed_token_ids=rng.choice([None, rng.sample(range(vocab), 5)]))
+        allowed_token_ids=rng.choice([None, rng.sample(range(vocab), 5)]),
+        min_p=rng.choice([0.0, 0.0, 0.1, 0.6]))
 
 
 def test_flat_adjustment_is_the_reference_bit_for_bit():
@@ -70,6 +71,32 @@ def test_each_adjustment_does_what_it_says():
     pen = adjust_row_ref(x, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
                          [4], [3, 3, 1])
     assert pen.tolist() == [2.0, -3.5, 1.0, -1.5, 3.0]  # prompt token 4 untouched
+
+
+def test_min_p_keeps_the_tokens_vllm_keeps():
+    g = torch.Generator().manual_seed(4)
+    for temperature, min_p in ((1.0, 0.1), (0.7, 0.3), (2.0, 0.05), (1.0, 1.0)):
+        x = torch.randn(300, generator=g) * 3
+        got = adjust_row_ref(x, SamplingParams(temperature=temperature, min_p=min_p), [], [])
+        p = torch.softmax(x.double() / temperature, -1)
+        ratio = p / p.max()
+        clear = (ratio - min_p).abs() > 1e-6  # rounding decides the tokens on the cut
+        assert torch.equal(torch.isfinite(got)[clear], (ratio >= min_p)[clear])
+        assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])
+    # Greedy rows ignore it, as in vLLM.
+    assert row_adjust(SamplingParams(min_p=0.5), [1], [2]) is None
+
+
+def test_sampled_tokens_respect_min_p():
+    s = Sampler(argmax_ref, log_softmax_ref)
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)) * 0.5
+    params = SamplingParams(temperature=1.0, min_p=0.4)
+    p = torch.softmax(logits[0].double(), -1)
+    allowed = set(torch.nonzero(p >= 0.4 * p.max())[:, 0].tolist())
+    drawn = {s(logits, [SampleRequest(params, seed=k, position=3,
+                                      adjust=row_adjust(params, [], []))])[0].token_id
+             for k in range(200)}
+    assert drawn <= allowed and len(drawn) > 1
 
 
 def test_a_rows_result_does_not_depend_on_the_others():
@@ -154,6 +181,7 @@ def test_engine_outputs_are_batch_invariant_and_follow_the_rules(llama_dir):
     ({"logit_bias": {1: float("inf")}}, r"logit_bias\[1\] must be a finite number"),
     ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty sequence"),
     ({"allowed_token_ids": [1, -2]}, "allowed_token_ids entries must be >= 0"),
+    ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
 ])
 def test_bad_values_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):

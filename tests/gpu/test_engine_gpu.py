@@ -337,7 +337,8 @@ def test_logit_adjustments_are_batch_invariant(assets):
                              temperature=0.9 if k % 2 else 0.0, repetition_penalty=1.3,
                              presence_penalty=0.4, frequency_penalty=0.2) if k % 3 == 0 else
               SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1, seed=k,
-                             temperature=0.8, allowed_token_ids=[5, 6, 7, 300]) if k % 3 == 1
+                             temperature=0.8, min_p=0.05,
+                             allowed_token_ids=[5, 6, 7, 300]) if k % 3 == 1
               else SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1,
                                   logit_bias={11: 8.0, 12: -100.0})
               for k in range(n)]

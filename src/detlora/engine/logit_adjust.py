@@ -1,5 +1,5 @@
-"""Per-row logit adjustments before sampling: vLLM's ``allowed_token_ids``, ``logit_bias`` and
-repetition, presence and frequency penalties, applied in vLLM's order.
+"""Per-row logit adjustments before sampling: vLLM's ``allowed_token_ids``, ``logit_bias``,
+repetition, presence and frequency penalties, and ``min_p``, applied in vLLM's order.
 
 Semantics, per logits row ``x`` (fp32: the sampler's upcast of the LM head's output), with
 ``out`` the row's output tokens so far and ``seen`` the set of its prompt and output tokens:
@@ -9,15 +9,20 @@ Semantics, per logits row ``x`` (fp32: the sampler's upcast of the LM head's out
     x[t] = x[t] / rep if x[t] > 0 else x[t] * rep          for t in seen (rep != 1)
     x[t] = x[t] - frequency * out.count(t)                 for t in seen
     x[t] = x[t] - presence * (out.count(t) > 0)            for t in seen
+    x[t] = -inf where x[t] < max(x) + temperature * ln(min_p)   (sampled rows, min_p > 0)
 
-Every step touches one row's own entries with elementwise fp32 ops, so a row's result does not
-depend on the other rows of the batch. ``adjust_row_ref`` is the torch reference of one row.
-A row needs its output tokens when it has penalties: the engine then does not run a step ahead
-(its input token is still on the device).
+The last line is vLLM's ``p_t < min_p * max(p)`` for ``p = softmax(x / temperature)``, taken
+on the logits, where the max is exact (no sum whose order could change a bit).
+
+Every step touches one row's own entries with elementwise fp32 ops (and an exact max), so a
+row's result does not depend on the other rows of the batch. ``adjust_row_ref`` is the torch
+reference of one row. A row needs its output tokens when it has penalties: the engine then
+does not run a step ahead (its input token is still on the device).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +44,14 @@ class RowAdjust:
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
+    min_p_offset: float | None = None  # temperature * ln(min_p): the cut below the row's max
+
+
+def min_p_offset(params: SamplingParams) -> float | None:
+    """How far below its max logit a sampled row keeps tokens; None without min_p."""
+    if params.min_p <= 0.0 or params.greedy:
+        return None
+    return params.temperature * math.log(params.min_p)
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -50,7 +63,8 @@ def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> RowAdjust | None:
     """The adjustments of a row that samples after ``output_ids``; None when it has none."""
     penalties = has_penalties(params)
-    if not (penalties or params.logit_bias or params.allowed_token_ids):
+    offset = min_p_offset(params)
+    if not (penalties or params.logit_bias or params.allowed_token_ids or offset is not None):
         return None
     seen: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
@@ -66,6 +80,7 @@ def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
         bias_tokens=tuple(bias), bias_values=tuple(bias.values()),
         seen_tokens=seen, seen_counts=counts, repetition=params.repetition_penalty,
         presence=params.presence_penalty, frequency=params.frequency_penalty,
+        min_p_offset=offset,
     )
 
 
@@ -85,6 +100,8 @@ class AdjustTensors:
     repetition: torch.Tensor | None  # fp32, one per seen entry
     presence: torch.Tensor | None
     frequency: torch.Tensor | None
+    min_p_rows: torch.Tensor | None
+    min_p_offsets: torch.Tensor | None  # fp32, one per min_p row
 
 
 def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
@@ -101,6 +118,10 @@ def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
         v = v - t.frequency * t.seen_counts
         v = v - t.presence * (t.seen_counts > 0).to(v.dtype)
         x[t.seen_rows, t.seen_cols] = v
+    if t.min_p_rows is not None:
+        rows = x[t.min_p_rows]
+        cut = rows.amax(dim=-1, keepdim=True) + t.min_p_offsets[:, None]
+        x[t.min_p_rows] = rows.masked_fill(rows < cut, float("-inf"))
 
 
 def adjust_row_ref(x: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
@@ -122,4 +143,8 @@ def adjust_row_ref(x: torch.Tensor, params: SamplingParams, prompt_ids: Sequence
             v = v - torch.tensor(params.frequency_penalty, dtype=torch.float32) * out[t]
             v = v - torch.tensor(params.presence_penalty, dtype=torch.float32) * (out[t] > 0)
             x[t] = v
+    offset = min_p_offset(params)
+    if offset is not None:
+        cut = x.max() + torch.tensor(offset, dtype=torch.float32)
+        x = torch.where(x < cut, torch.tensor(float("-inf")), x)
     return x

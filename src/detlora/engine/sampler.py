@@ -154,10 +154,13 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
     fp32 bits); ``_adjust_tensors`` reads them back on the device."""
     ints: dict[str, list[int]] = {k: [] for k in (
         "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols", "seen_rows",
-        "seen_cols")}
+        "seen_cols", "min_p_rows")}
     floats: dict[str, list[float]] = {k: [] for k in (
-        "bias_values", "seen_counts", "repetition", "presence", "frequency")}
+        "bias_values", "seen_counts", "repetition", "presence", "frequency", "min_p_offsets")}
     for i, a in rows:
+        if a.min_p_offset is not None:
+            ints["min_p_rows"].append(i)
+            floats["min_p_offsets"].append(a.min_p_offset)
         if a.allowed:
             ints["masked_rows"].append(i)
             ints["allowed_rows"] += [i] * len(a.allowed)
@@ -178,7 +181,8 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
 
 
 def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice]) -> AdjustTensors:
-    floats = {"bias_values", "seen_counts", "repetition", "presence", "frequency"}
+    floats = {"bias_values", "seen_counts", "repetition", "presence", "frequency",
+              "min_p_offsets"}
 
     def get(name: str) -> torch.Tensor | None:
         if name not in sections:
@@ -418,11 +422,14 @@ class Sampler:
             # Adjusted values are not exact in 16 bits: this call works in fp32 (an unadjusted
             # row's fp32 upcast ranks and samples as its 16-bit values do).
             raw = logits.float() if logits.dtype != torch.float32 else logits.clone()
-            apply_adjustments(raw, _adjust_tensors(dev, adjust_secs))
         if banned_rows:
             if raw is logits:
                 raw = logits.clone()  # the caller's logits stay untouched
             raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
+        if adjust_secs is not None:
+            # After the bans: min_p's cut is relative to the best token still allowed (every
+            # other adjustment keeps -inf at -inf).
+            apply_adjustments(raw, _adjust_tensors(dev, adjust_secs))
         # fp32 rows for the greedy rows the head does not answer (no copy when already fp32);
         # a batch of sampled rows alone never reads them.
         x = None if use_head or not greedy_rows else raw.float()
