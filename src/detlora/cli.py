@@ -154,7 +154,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, n=args.n,
                                 temperature=args.temperature,
                                 prompt_logprobs=0 if args.prompt_logprobs else None,
-                                top_p=args.top_p, top_k=args.top_k, stop=args.stop or (),
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                stop=args.stop or (),
                                 repetition_penalty=args.repetition_penalty,
                                 presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty,
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)

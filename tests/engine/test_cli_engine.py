@@ -98,6 +98,7 @@ def test_generate_prefix_caching_flag(demo_assets, capsys):
     ([], ['{"prompt": "x", "lora": 3}'], 'p.jsonl:1: "lora" must be an adapter name'),
     (["--repetition-penalty", "0"], None, "repetition_penalty must be > 0"),
     (["--frequency-penalty", "3"], None, "frequency_penalty must be in [-2, 2]"),
+    (["--min-p", "-0.1"], None, "min_p must be in [0, 1]"),
 ])
 def test_generate_refuses_bad_adapter_arguments(demo_assets, tmp_path, capsys, args, lines,
                                                 message):
