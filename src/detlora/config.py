@@ -94,7 +94,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/stop_strings.py
     include_stop_str_in_output: bool = False
     # Logit adjustments, in vLLM's order (engine/logit_adjust.py): allowed tokens, bias, then
-    # penalties over the prompt and output tokens (repetition) or the output (the other two).
+    # penalties over the prompt and output tokens (repetition) or the output (the other two);
+    # min_p (above) cuts last.
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

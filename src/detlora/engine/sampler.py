@@ -14,7 +14,8 @@ parameters, seed and position, never on which other rows share the step:
   dtype; ties: lower token id first); top-p keeps the shortest prefix of that order whose
   probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
   sums do not depend on the scan order (``detlora.engine.token_filter``);
-* first, a row's ``allowed_token_ids``, ``logit_bias`` and penalties adjust its fp32 logits
+* before all of the above: a row's banned tokens (``min_tokens``), then its
+  ``allowed_token_ids``, ``logit_bias``, penalties and ``min_p`` adjust its fp32 logits
   (``detlora.engine.logit_adjust``); a call with such a row ranks every row in fp32;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
   The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
@@ -66,7 +67,7 @@ class SampleRequest:
     seed: int  # 64-bit
     position: int  # index the sampled token will take in its sequence
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
-    adjust: RowAdjust | None = None  # allowed tokens, logit bias, penalties
+    adjust: RowAdjust | None = None  # allowed tokens, logit bias, penalties, min_p
 
 
 @dataclass(frozen=True)
