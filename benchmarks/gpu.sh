@@ -9,7 +9,8 @@
 #                     [attention-prologue] [ops-attention] [attention-stages]
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
-#                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests] ...
+#                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
+#                     [matmul-two-part] [matmul-tests] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +97,10 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                       "$OUT/copy_reference.json" || status=1 ;;
     matmul-mid-m-loads) python3 benchmarks/experiments/matmul_mid_m_loads.py \
                           "$OUT/matmul_mid_m_loads.json" || status=1 ;;
+    matmul-two-part) python3 benchmarks/experiments/matmul_two_part_tiles.py \
+                       "$OUT/matmul_two_part_tiles.json" || status=1 ;;
+    matmul-tests) python3 -m pytest -q tests/gpu/test_matmul_gpu.py -p no:cacheprovider 2>&1 \
+                    | tee "$OUT/matmul_gpu_tests.log" | tail -n 15 || status=1 ;;
     matmul-ws) python3 benchmarks/experiments/matmul_warp_specialize.py \
                  "$OUT/matmul_warp_specialize.json" || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \

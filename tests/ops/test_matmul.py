@@ -227,6 +227,29 @@ def test_wide_loads_match_fp64(dtype, split):
         assert _rel(out, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tma", [True, False])
+def test_two_part_tiles_match_fp64_and_give_the_one_part_bits(dtype, tma):
+    """16 + 32, 32 + 16 and 64 + 64 column tiles: two dots side by side; N = 100 is not a
+    multiple of a tile, so the last tile's second part lies partly or wholly past N."""
+    n, k = 100, 72
+    x, w, bias = _inputs(37, n, k, dtype, seed=21)
+    ws = MatmulWorkspace("cpu")
+    ks = mm.KSplit.for_chunks(k, 16, 1)
+    plain = mm.MatmulConfig(ks, 16, 16)
+    ref = _linear32(x, w, bias, plain, ws)
+    assert _rel(ref, x.double() @ w.double().T + bias.double()) < 1e-5
+    wt = w.t().contiguous()  # [K, N]: B boxes of [BLOCK_K, width]
+    for bm, bn, bn2 in ((16, 16, 32), (32, 32, 16), (16, 64, 64)):
+        cfg = mm.MatmulConfig(ks, bm, bn, block_n2=bn2, tma=tma)
+        got = torch.full_like(ref, float("nan"))
+        mm.linear(x, w, bias, out=got, config=cfg, workspace=ws)
+        assert torch.equal(got, ref), cfg
+        assert torch.equal(mm.linear(x, w, bias, config=cfg, workspace=ws), ref.to(dtype)), cfg
+        assert torch.equal(mm.matmul(x, wt, config=cfg, workspace=ws),
+                           mm.matmul(x, wt, config=plain, workspace=ws)), cfg
+
+
 def _bad_calls():
     f16 = torch.float16
     a = torch.randn(4, 8).to(f16)
@@ -255,6 +278,11 @@ def _bad_calls():
                                                         load_k=24)), "config.load_k"),
         (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
                                                         load_k=32)), "must divide K = 8"),
+        (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
+                                                        block_n2=24)), "config.block_n2"),
+        (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
+                                                        block_n2=16, split_ctas=False)),
+         "block_n2 needs split_ctas"),
     ]
 
 
@@ -279,8 +307,11 @@ for m, n, k in json.loads(sys.argv[1]):
                   stride_ak=1, stride_bk=1, stride_cn=1, stride_biasn=1)
     if not cfg.split_ctas:
         consts.update(GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
+    else:
+        consts.update(BLOCK_N2=cfg.block_n2)
     fn = mm._mm_split_kernel if cfg.split_ctas else mm._mm_persistent_kernel
-    types = {"a": f"tensordesc<bf16[{bm}, {bk}]>", "b": f"tensordesc<bf16[{bn}, {bk}]>"}
+    types = {"a": f"tensordesc<bf16[{bm}, {bk}]>", "b": f"tensordesc<bf16[{bn}, {bk}]>",
+             "b2": f"tensordesc<bf16[{cfg.block_n2 or bn}, {bk}]>"}
     ptrs = {"scratch_ptr": "*fp32", "counter_ptr": "*i32"}
     kernel, _ = compile_kernel(fn, consts, ptrs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, int_types=types,

@@ -140,6 +140,9 @@ class MatmulConfig:
     ``load_k``: K elements per load and per ``tl.dot`` (0: ``k_split.block_k``); a multiple of
     ``k_split.block_k`` that divides K and each chunk. It changes no bits: a dot of any width
     runs the same 16-deep MMA steps in the same order (GPU-proven, test_matmul_gpu.py).
+    ``block_n2``: split path with one chunk only; a tile is ``block_n + block_n2`` columns,
+    summed by two dots side by side (0: one part). Tile widths that are not powers of two let
+    a few hundred rows fill every SM with one tile each.
     """
 
     k_split: KSplit
@@ -153,6 +156,7 @@ class MatmulConfig:
     flatten: bool = True
     programs_per_sm: int = 1
     load_k: int = 0
+    block_n2: int = 0
 
     @property
     def block_k(self) -> int:
@@ -305,13 +309,28 @@ def _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am, str
 
 
 @triton.jit
-def _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
-             BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+def _a_block(a, a_rows, off_m, kb, K, stride_ak, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
              EVEN_K: tl.constexpr):
-    """A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] for K block ``kb`` (zeros past K)."""
+    """A [BLOCK_M, BLOCK_K] for K block ``kb`` (zeros past K)."""
     k0 = kb * BLOCK_K
     if TMA:
         a_blk = a.load([off_m, k0])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak)
+        else:
+            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak,
+                            mask=(offs_k < K)[None, :], other=0.0)
+    return a_blk
+
+
+@triton.jit
+def _b_block(b, b_cols, off_n, kb, K, stride_bk, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+             B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr):
+    """B [BLOCK_K, BLOCK_N] for K block ``kb`` (zeros past K)."""
+    k0 = kb * BLOCK_K
+    if TMA:
         if B_KMAJOR:  # noqa: SIM108 (constexpr branches, kept as statements for Triton)
             b_blk = b.load([off_n, k0]).T
         else:
@@ -319,14 +338,20 @@ def _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak)
             b_blk = tl.load(b_cols[None, :] + offs_k[:, None] * stride_bk)
         else:
-            k_ok = offs_k < K
-            a_blk = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=k_ok[None, :],
-                            other=0.0)
-            b_blk = tl.load(b_cols[None, :] + offs_k[:, None] * stride_bk, mask=k_ok[:, None],
-                            other=0.0)
+            b_blk = tl.load(b_cols[None, :] + offs_k[:, None] * stride_bk,
+                            mask=(offs_k < K)[:, None], other=0.0)
+    return b_blk
+
+
+@triton.jit
+def _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
+             BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] and B [BLOCK_K, BLOCK_N] for K block ``kb`` (zeros past K)."""
+    a_blk = _a_block(a, a_rows, off_m, kb, K, stride_ak, BLOCK_K, TMA, EVEN_K)
+    b_blk = _b_block(b, b_cols, off_n, kb, K, stride_bk, BLOCK_K, TMA, B_KMAJOR, EVEN_K)
     return a_blk, b_blk
 
 
@@ -355,16 +380,21 @@ def _store_tile(c_ptr, bias_ptr, y, batch, off_m, off_n, M, N, stride_cb, stride
 # divisible by 16) keeps one compiled kernel per tiling instead of several.
 @triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks"])
 def _mm_split_kernel(
-    a, b, c_ptr, bias_ptr, scratch_ptr, counter_ptr,
+    a, b, b2, c_ptr, bias_ptr, scratch_ptr, counter_ptr,
     M, N, K, num_chunks, chunk_blocks,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
-    EVEN_K: tl.constexpr, BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
+    BLOCK_K: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
     # scheduled together and the last one finds its partners' partials in L2.
+    # A tile is BLOCK_N + BLOCK_N2 columns wide (BLOCK_N2 = 0: one part; one chunk only): a
+    # second accumulator over the next BLOCK_N2 columns (``b2``: b, or its TMA descriptor for
+    # [BLOCK_N2, BLOCK_K] boxes), so that widths that are not powers of two (192 = 128 + 64)
+    # can spread a few hundred rows over every SM.
     pid = tl.program_id(0)
     if MULTI_CHUNK:
         chunk = pid % num_chunks
@@ -373,13 +403,17 @@ def _mm_split_kernel(
         chunk = 0
         tile = pid
     m_tiles = tl.cdiv(M, BLOCK_M)
-    n_tiles = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.cdiv(N, BLOCK_N + BLOCK_N2)
     batch = tile // (m_tiles * n_tiles)
     t = tile % (m_tiles * n_tiles)
     off_m = (t // n_tiles) * BLOCK_M
-    off_n = (t % n_tiles) * BLOCK_N
+    off_n = (t % n_tiles) * (BLOCK_N + BLOCK_N2)
     a_rows, b_cols = _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am,
                                        stride_bb, stride_bn, BLOCK_M, BLOCK_N, TMA)
+    if BLOCK_N2 > 0:
+        _, b_cols2 = _operand_pointers(a, b, batch, off_m, off_n + BLOCK_N, M, N, stride_ab,
+                                       stride_am, stride_bb, stride_bn, BLOCK_M, BLOCK_N2, TMA)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
 
     lo = chunk * chunk_blocks
     hi = tl.minimum(lo + chunk_blocks, tl.cdiv(K, BLOCK_K))
@@ -388,6 +422,10 @@ def _mm_split_kernel(
         a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
                                 BLOCK_K, TMA, B_KMAJOR, EVEN_K)
         acc = tl.dot(a_blk, b_blk, acc, input_precision=INPUT_PRECISION)
+        if BLOCK_N2 > 0:
+            b2_blk = _b_block(b2, b_cols2, off_n + BLOCK_N, kb, K, stride_bk, BLOCK_K, TMA,
+                              B_KMAJOR, EVEN_K)
+            acc2 = tl.dot(a_blk, b2_blk, acc2, input_precision=INPUT_PRECISION)
 
     if MULTI_CHUNK:
         # Scratch holds [tile, chunk, BLOCK_M, BLOCK_N] partials, tile-local and contiguous.
@@ -408,6 +446,10 @@ def _mm_split_kernel(
     else:
         _store_tile(c_ptr, bias_ptr, acc, batch, off_m, off_n, M, N, stride_cb, stride_cm,
                     stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+        if BLOCK_N2 > 0:
+            _store_tile(c_ptr, bias_ptr, acc2, batch, off_m, off_n + BLOCK_N, M, N, stride_cb,
+                        stride_cm, stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N2,
+                        BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "chunk_blocks", "num_programs"])
@@ -588,6 +630,10 @@ def _check_config(cfg: object, k: int, dtype: torch.dtype) -> MatmulConfig:
     if not cfg.k_split.fits(k):
         raise ValueError(f"config.k_split {cfg.k_split} was not made for K = {k}; "
                          "build it with KSplit.for_chunks(K, ...)")
+    if cfg.block_n2 and (cfg.block_n2 < 16 or cfg.block_n2 & (cfg.block_n2 - 1)):
+        raise ValueError(f"config.block_n2 must be 0 or a power of two >= 16, got {cfg.block_n2}")
+    if cfg.block_n2 and (not cfg.split_ctas or cfg.k_split.num_chunks > 1):
+        raise ValueError("config.block_n2 needs split_ctas=True and a k_split of one chunk")
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.group_m < 1:
         raise ValueError(f"config has invalid warps/stages/group_m: {cfg}")
     if dtype == torch.float32 and cfg.block_k > 64:
@@ -653,14 +699,19 @@ def _launch(
 
     # TMA descriptors for single matrices; batches (bmm) and odd strides use pointer loads.
     # B_KMAJOR: b is a weight [N, K] seen through .T (K contiguous), read as [BN, BK] boxes.
-    a_arg, b_arg, use_tma, b_kmajor = a, b, False, False
+    a_arg, b_arg, b2_arg, use_tma, b_kmajor = a, b, b, False, False
     if cfg.tma and batch == 1:
         kmajor = b.stride(1) == 1 and b.stride(2) != 1
+
+        def b_box(width: int) -> TensorDescriptor | None:
+            return (_tma_desc(b[0], [width, bk], transpose=True) if kmajor
+                    else _tma_desc(b[0], [bk, width], transpose=False))
+
         a_desc = _tma_desc(a[0], [bm, bk], transpose=False)
-        b_desc = (_tma_desc(b[0], [bn, bk], transpose=True) if kmajor
-                  else _tma_desc(b[0], [bk, bn], transpose=False))
-        if a_desc is not None and b_desc is not None:
-            a_arg, b_arg, use_tma, b_kmajor = a_desc, b_desc, True, kmajor
+        b_desc = b_box(bn)
+        b2_desc = b_box(cfg.block_n2) if cfg.block_n2 else b_desc
+        if a_desc is not None and b_desc is not None and b2_desc is not None:
+            a_arg, b_arg, b2_arg, use_tma, b_kmajor = a_desc, b_desc, b2_desc, True, kmajor
 
     # One matrix: batch strides 0, so every call compiles the same (divisible-by-16) variant;
     # without that hint the 128x256 epilogue spills on sm_90.
@@ -681,7 +732,8 @@ def _launch(
     while True:
         common["num_stages"] = stages
         try:
-            _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace)
+            _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, common,
+                           workspace)
             return
         except OutOfResources:
             if stages <= 1:
@@ -694,17 +746,18 @@ _STAGE_CAP: dict[tuple, int] = {}
 
 
 def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
-    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+    return (cfg.block_m, cfg.block_n, cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages,
             cfg.split_ctas, cfg.tma, out_dtype)
 
 
-def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, workspace):
+def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, common,
+                   workspace):
     ks = cfg.k_split
     bm, bn = cfg.block_m, cfg.block_n
     # Chunk length in loads (a load may span several of k_split's blocks).
     chunk_loads = (ks.chunk_blocks * ks.block_k // cfg.block_k if ks.num_chunks > 1
                    else cdiv(k, cfg.block_k))
-    tiles = batch * cdiv(m, bm) * cdiv(n, bn)
+    tiles = batch * cdiv(m, bm) * cdiv(n, bn + cfg.block_n2)
     if cfg.split_ctas:
         scratch_numel, counter_numel = _workspace_need(cfg, batch, m, n)
         if scratch_numel:
@@ -714,8 +767,8 @@ def _launch_kernel(cfg, a_arg, b_arg, out, bias_arg, a, batch, m, n, k, common, 
         else:
             scratch = counters = out  # never touched: one chunk stores directly
         _mm_split_kernel[(tiles * ks.num_chunks,)](
-            a_arg, b_arg, out, bias_arg, scratch, counters,
-            m, n, k, ks.num_chunks, chunk_loads, **common,
+            a_arg, b_arg, b2_arg, out, bias_arg, scratch, counters,
+            m, n, k, ks.num_chunks, chunk_loads, BLOCK_N2=cfg.block_n2, **common,
         )
     else:
         programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)
