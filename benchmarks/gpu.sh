@@ -10,7 +10,7 @@
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
-#                     [matmul-two-part] [matmul-tests] ...
+#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,12 +99,16 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           "$OUT/matmul_mid_m_loads.json" || status=1 ;;
     matmul-two-part) python3 benchmarks/experiments/matmul_two_part_tiles.py \
                        "$OUT/matmul_two_part_tiles.json" || status=1 ;;
+    matmul-two-part-rule) python3 benchmarks/experiments/matmul_two_part_tiles.py \
+                            "$OUT/matmul_two_part_rule.json" --rule || status=1 ;;
     matmul-tests) python3 -m pytest -q tests/gpu/test_matmul_gpu.py -p no:cacheprovider 2>&1 \
                     | tee "$OUT/matmul_gpu_tests.log" | tail -n 15 || status=1 ;;
     matmul-ws) python3 benchmarks/experiments/matmul_warp_specialize.py \
                  "$OUT/matmul_warp_specialize.json" || status=1 ;;
     matmul-regions) python3 benchmarks/experiments/matmul_regions.py \
                       "$OUT/matmul_regions.json" || status=1 ;;
+    ops-matmul) python3 -m detlora.study.bi_ops_bench --parts matmul \
+                  --out "$OUT/batch_invariant_ops_matmul.json" || status=1 ;;
     ops-attention) python3 -m detlora.study.bi_ops_bench --parts attention \
                      --out "$OUT/batch_invariant_ops_attention.json" || status=1 ;;
     # attention-pairs toggles a flag that exists at commit 85ef1d6 only (see the script)

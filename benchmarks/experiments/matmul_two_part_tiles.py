@@ -9,14 +9,20 @@ same bits (each output element is one chain of 16-deep MMAs); this script checks
 torch.equal on the fp32 sums of every candidate against the default config.
 
     PYTHONPATH=src python benchmarks/experiments/matmul_two_part_tiles.py OUT.json
+    PYTHONPATH=src python benchmarks/experiments/matmul_two_part_tiles.py OUT.json --rule
+
+``--rule`` checks ``matmul_config``'s choice instead: at every M (a multiple of 64 up to 4096)
+where it picks a two-part tile, that tile against what it picks without two-part tiles.
 """
 
 import json
 import sys
+from unittest import mock
 
 import torch
 
 from detlora.cli import results_meta
+from detlora.ops import matmul as mm
 from detlora.ops._runtime import cdiv
 from detlora.ops.matmul import MatmulConfig, k_split, linear, matmul_config
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
@@ -72,13 +78,31 @@ def measure(name: str) -> None:
         del sets, ref
 
 
-def save(path: str) -> None:
-    meta = results_meta("python benchmarks/experiments/matmul_two_part_tiles.py OUT.json")
+def check_rule(name: str) -> None:
+    n, k = LAYERS[name]
+    for m in range(128, 4097, 64):
+        new = matmul_config(m, n, k)
+        if not new.block_n2:
+            continue
+        with mock.patch.object(mm, "_TWO_PART_TILES", ()):
+            old = matmul_config(m, n, k)
+        sets = _inputs(n, k, m, max_sets=64)
+        cublas = time_cublas(sets)
+        x, w = sets[0][0], sets[0][1]
+        same = bool(torch.equal(_sum32(x, w, new), _sum32(x, w, old)))
+        _row(name, n, k, m, old, time_detlora(sets, old), cublas, False, same)
+        _row(name, n, k, m, new, time_detlora(sets, new), cublas, True, same)
+        del sets
+
+
+def save(path: str, command: str) -> None:
     with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+        json.dump({"meta": results_meta(command), "rows": ROWS}, f, indent=1)
 
 
 if __name__ == "__main__":
+    rule = "--rule" in sys.argv[2:]
+    cmd = "python benchmarks/experiments/matmul_two_part_tiles.py OUT.json" + " --rule" * rule
     for layer in NAMES:
-        measure(layer)
-        save(sys.argv[1])  # partial results survive a timeout
+        (check_rule if rule else measure)(layer)
+        save(sys.argv[1], cmd)  # partial results survive a timeout

@@ -189,6 +189,18 @@ def test_split_is_a_function_of_n_and_k_only(n, k, dtype):
     assert (ks.num_chunks - 1) * ks.chunk_blocks < -(-k // ks.block_k)  # every chunk has work
 
 
+def test_two_part_tiles_are_picked_only_where_they_fill_one_wave():
+    # Llama o_proj at 1024 rows: 128x256 tiles fill 96 of 132 SMs; 128 x (128 + 64) fill 128.
+    cfg = mm.matmul_config(1024, 3072, 3072, num_sms=132)
+    assert (cfg.split_ctas, cfg.block_m, cfg.block_n, cfg.block_n2) == (True, 128, 128, 64)
+    qkv = mm.matmul_config(1024, 5120, 3072, num_sms=132)  # 128 x (256 + 64): 128 tiles
+    assert (qkv.block_n, qkv.block_n2) == (256, 64)
+    for m, n, k in ((4096, 3072, 3072), (256, 5120, 3072), (64, 3072, 3072),
+                    (1024, 512, 4096)):  # many waves, too few tiles, decode, S > 1
+        assert mm.matmul_config(m, n, k, num_sms=132).block_n2 == 0, (m, n, k)
+    assert mm.matmul_config(1024, 3072, 3072, batch=2, num_sms=132).block_n2 == 0  # bmm
+
+
 def test_narrow_outputs_split_k_and_wide_ones_do_not():
     # bf16/fp16: 64 decode tiles of 16 columns (N >= 1024) need no split.
     assert mm.k_split(512, 4096).num_chunks > 1
@@ -319,7 +331,8 @@ for m, n, k in json.loads(sys.argv[1]):
                                       "stride_ab", "stride_bb", "stride_cb"))
     ptx = kernel.asm["ptx"]
     spills = ptxas_spills(ptx)
-    out.append({"shape": [m, n, k], "block_m": bm, "split": cfg.split_ctas,
+    out.append({"shape": [m, n, k], "block_m": bm, "block_n2": cfg.block_n2,
+                "split": cfg.split_ctas,
                 "multi": cfg.k_split.num_chunks > 1, "ptx": ptx_summary(ptx),
                 "spills": spills, "smem": kernel.metadata.shared})
 print(json.dumps(out))
@@ -331,11 +344,12 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     # Decode of a narrow output (split over CTAs, ordered reduce, 256-wide loads), its
     # prefill (S > 1: 128x128, two accumulators), decode of o_proj (S = 1, 256-wide loads)
     # prefill of qkv (S = 1: 128x256) and batch-64 decode of qkv (6 stages of 64x128 + 64x128).
+    # A 1024-row o_proj call runs a two-part tile (128 x (128 + 64), one CTA each).
     shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072],
-              [64, 5120, 3072]]
-    decode, prefill_multi, decode_single, prefill_single, decode_wide = sm90_compile(
+              [64, 5120, 3072], [1024, 3072, 3072]]
+    decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part = sm90_compile(
         _SM90_SCRIPT, shapes)
-    for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide):
+    for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads
         assert r["smem"] <= 227 * 1024, r
@@ -345,6 +359,8 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     for r in (prefill_multi, prefill_single):
         assert not r["split"] and r["ptx"].get("wgmma.mma_async", 0) > 0, r
     assert prefill_single["block_m"] * 256 == 128 * 256 and not prefill_single["multi"]
+    assert two_part["split"] and two_part["block_n2"] == 64 and not two_part["multi"]
+    assert two_part["ptx"].get("wgmma.mma_async", 0) > 0
 
 
 def test_outgrown_workspace_buffers_stay_alive():

@@ -171,6 +171,18 @@ _PERSISTENT_TILES = (
     (64, 128, 4, 4, 2, 0.7),
 )
 
+# Two-part tiles (BLOCK_M, BLOCK_N, BLOCK_N2, warps, stages, relative speed as above), one CTA
+# per tile, tried beside the persistent tiles when S = 1 and they make one wave that fills at
+# least ``_TWO_PART_MIN_FILL`` of the SMs (matmul_two_part_tiles.json, H200: llama qkv at
+# M = 1024 56.3 -> 47.0 us on 128x320, llama o 35.3 -> 32.0 and down 81.6 -> 78.2 us on
+# 128x192, against 128x128 x 3 waves and 128x256 on 96 SMs; the speeds are those runs' rates
+# per SM over 128x256's).
+_TWO_PART_TILES = (
+    (128, 256, 64, 8, 3, 1.03),
+    (128, 128, 64, 8, 4, 0.93),
+)
+_TWO_PART_MIN_FILL = 0.85
+
 # One-CTA-per-tile shapes for an unsplit K at a few hundred rows, largest first: (BLOCK_M,
 # BLOCK_N, warps, stages, widest load), measured on the H200 (matmul_unsplit_tiles.json).
 _GRID_TILES = (
@@ -197,7 +209,9 @@ def matmul_config(
         bf16/fp16, M > 64      persistent path, the tile of ``_PERSISTENT_TILES`` with the
                                least estimated time (128x256 only when S = 1), its tile loop
                                flattened only when S = 1; the split path (64x128) when S > 1,
-                               M <= 512 and 128x128 tiles fill less than a quarter of the GPU
+                               M <= 512 and 128x128 tiles fill less than a quarter of the GPU;
+                               with S = 1, a two-part tile of ``_TWO_PART_TILES`` (one CTA
+                               each) when it fills one wave and is estimated faster
         fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
                                up to M = 64, persistent above
     """
@@ -245,6 +259,13 @@ def matmul_config(
         cost = cdiv(tiles, slots) * sharing * bm * bn / speed
         if best is None or cost < best_cost:
             best, best_cost = (bm, bn, warps, stages, per_sm), cost
+    if not multi and batch == 1:
+        for bm, bn, bn2, warps, stages, speed in _TWO_PART_TILES:
+            tiles = cdiv(m, bm) * cdiv(n, bn + bn2)
+            cost = bm * (bn + bn2) / speed
+            if _TWO_PART_MIN_FILL * num_sms <= tiles <= num_sms and cost < best_cost:
+                return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages,
+                                    split_ctas=True, block_n2=bn2)
     bm, bn, warps, stages, per_sm = best
     if multi and m <= 512 and batch * cdiv(m, 128) * cdiv(n, 128) < num_sms // 4:
         # Too few tiles to fill a quarter of the GPU: spread each tile's chunks over CTAs

@@ -106,9 +106,9 @@ def _linear32(x: torch.Tensor, w: torch.Tensor, cfg: MatmulConfig | None) -> tor
 
 def path_variants(n: int, k: int) -> list[MatmulConfig]:
     """Every way the kernels can be asked to build the default split sum of an [N, K] weight:
-    split over CTAs or persistent, several tiles, load widths, warps and stages, TMA or
-    pointer loads, flattened or nested loops. All must give the same bits (tests/gpu proves
-    it too)."""
+    split over CTAs or persistent, several tiles (two-part ones too), load widths, warps and
+    stages, TMA or pointer loads, flattened or nested loops. All must give the same bits
+    (tests/gpu proves it too)."""
     ks = k_split(n, k, DTYPE)
     wide = [w for w in (128, 256) if _load_fits(ks, k, w)]
     out = []
@@ -122,6 +122,12 @@ def path_variants(n: int, k: int) -> list[MatmulConfig]:
     tiles += [(128, 128, 8, 3, 128)] if 128 in wide else []
     if ks.num_chunks == 1:
         tiles.append((128, 256, 8, 3, 0))
+        # Two-part tiles (block_n + block_n2 columns), split path, one chunk.
+        for bm, bn, bn2, warps, stages in ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                                           (64, 64, 32, 4, 4), (16, 32, 16, 4, 4)):
+            for tma in (True, False):
+                out.append(MatmulConfig(ks, bm, bn, warps, stages, split_ctas=True, tma=tma,
+                                        block_n2=bn2))
     for bm, bn, warps, stages, load_k in tiles:
         for tma, flatten in ((True, True), (True, False), (False, False)):
             out.append(MatmulConfig(ks, bm, bn, warps, stages, split_ctas=False, tma=tma,
