@@ -10,7 +10,7 @@
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
-#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] ...
+#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +101,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                        "$OUT/matmul_two_part_tiles.json" || status=1 ;;
     matmul-two-part-rule) python3 benchmarks/experiments/matmul_two_part_tiles.py \
                             "$OUT/matmul_two_part_rule.json" --rule || status=1 ;;
+    first-cache-hit) python3 benchmarks/experiments/first_cache_hit.py \
+                       "$OUT/first_cache_hit.json" || status=1 ;;
     l2-read) python3 benchmarks/experiments/l2_read_bandwidth.py "$OUT/l2_read_bandwidth.json" \
                || status=1 ;;
     matmul-tests) python3 -m pytest -q tests/gpu/test_matmul_gpu.py -p no:cacheprovider 2>&1 \

@@ -1,0 +1,100 @@
+"""Why the first batch that hits the prefix cache ran ~1.1 s slower than the next ones
+(prefix_caching.json: 1.55 s against 0.41 s at batch_invariant).
+
+Runs bench_prefix_cache's guardrail workload (Llama-3.2-3B shape, 256 requests sharing a
+1024-token policy prompt, 64 tokens each of their own, 4-token verdicts) with the cache on, at
+``batch_invariant``: a warm-up batch, then three batches with fresh suffixes. For each batch it
+records the wall time, every engine step's wall time and scheduled token count, and every
+Triton compilation (kernel and seconds, from Triton's JIT hooks) that happened inside it.
+
+    PYTHONPATH=src python benchmarks/experiments/first_cache_hit.py OUT.json
+"""
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from triton import knobs
+
+from detlora.cli import results_meta
+from detlora.study.bench_engine import write_adapter, write_model
+from detlora.study.bench_prefix_cache import PrefixPlan, _Prompts
+
+EVENTS: list[dict] = []
+_STARTED: dict[tuple, float] = {}
+
+
+def _pre(**kw) -> bool:
+    _STARTED[kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)] = time.perf_counter()
+    return False  # never skip the compile
+
+
+def _post(**kw) -> None:
+    key = kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)
+    start = _STARTED.pop(key, None)
+    EVENTS.append({"kernel": kw["fn"].name, "seconds": None if start is None
+                   else round(time.perf_counter() - start, 3), "repr": kw["repr"][:400]})
+
+
+def main(out_path: str) -> None:
+    from detlora.config import SamplingParams
+    from detlora.engine.llm import LLM
+    from detlora.lora.request import LoRARequest
+
+    plan = PrefixPlan()
+    knobs.runtime.jit_cache_hook = _pre
+    knobs.runtime.jit_post_compile_hook = _post
+    batches = []
+    with tempfile.TemporaryDirectory(prefix="detlora-first-hit-") as tmp:
+        root = Path(tmp)
+        write_model(root / "model", plan.shape)
+        write_adapter(root / "adapter", plan.shape, seed=10)
+        lora = LoRARequest("guard", 1, str(root / "adapter"))
+        prompts = _Prompts(plan)
+        t0 = time.perf_counter()
+        llm = LLM(str(root / "model"), enable_lora=True, max_loras=1,
+                  max_lora_rank=plan.shape.rank, determinism="batch_invariant",
+                  max_model_len=plan.shared_len + plan.unique_len + 16, max_num_seqs=256,
+                  max_num_batched_tokens=8192, enable_prefix_caching=True)
+        init_s = time.perf_counter() - t0
+        init_compiles = len(EVENTS)
+        engine = llm.engine
+        steps: list[dict] = []
+        inner = engine.step
+
+        def timed_step():
+            torch.cuda.synchronize()
+            s0 = time.perf_counter()
+            out = inner()
+            torch.cuda.synchronize()
+            steps.append({"s": round(time.perf_counter() - s0, 4)})
+            return out
+
+        engine.step = timed_step
+        params = SamplingParams(max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
+        for index in range(4):
+            steps.clear()
+            first_event = len(EVENTS)
+            torch.cuda.synchronize()
+            b0 = time.perf_counter()
+            outs = llm.generate(prompts.batch(index), params, lora, use_tqdm=False)
+            torch.cuda.synchronize()
+            row = {"batch": index, "seconds": round(time.perf_counter() - b0, 3),
+                   "cached_tokens": sum(o.num_cached_tokens for o in outs),
+                   "step_seconds": [s["s"] for s in steps],
+                   "compiles": EVENTS[first_event:]}
+            batches.append(row)
+            print({k: row[k] for k in ("batch", "seconds", "cached_tokens")},
+                  "steps", row["step_seconds"][:12], "compiles",
+                  [(e["kernel"], e["seconds"]) for e in row["compiles"]], flush=True)
+    meta = results_meta("python benchmarks/experiments/first_cache_hit.py OUT.json")
+    Path(out_path).write_text(json.dumps({"meta": meta, "init_s": round(init_s, 2),
+                                          "init_compiles": init_compiles,
+                                          "batches": batches}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
