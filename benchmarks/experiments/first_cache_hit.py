@@ -39,12 +39,12 @@ def _post(**kw) -> None:
                    else round(time.perf_counter() - start, 3), "repr": kw["repr"][:400]})
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, quick: bool = False) -> None:
     from detlora.config import SamplingParams
     from detlora.engine.llm import LLM
     from detlora.lora.request import LoRARequest
 
-    plan = PrefixPlan()
+    plan = PrefixPlan.quick() if quick else PrefixPlan()
     knobs.runtime.jit_cache_hook = _pre
     knobs.runtime.jit_post_compile_hook = _post
     batches = []
@@ -55,6 +55,7 @@ def main(out_path: str) -> None:
         lora = LoRARequest("guard", 1, str(root / "adapter"))
         prompts = _Prompts(plan)
         t0 = time.perf_counter()
+        cuda = torch.cuda.is_available()
         llm = LLM(str(root / "model"), enable_lora=True, max_loras=1,
                   max_lora_rank=plan.shape.rank, determinism="batch_invariant",
                   max_model_len=plan.shared_len + plan.unique_len + 16, max_num_seqs=256,
@@ -64,12 +65,13 @@ def main(out_path: str) -> None:
         engine = llm.engine
         steps: list[dict] = []
         inner = engine.step
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
 
         def timed_step():
-            torch.cuda.synchronize()
+            sync()
             s0 = time.perf_counter()
             out = inner()
-            torch.cuda.synchronize()
+            sync()
             steps.append({"s": round(time.perf_counter() - s0, 4)})
             return out
 
@@ -78,10 +80,10 @@ def main(out_path: str) -> None:
         for index in range(4):
             steps.clear()
             first_event = len(EVENTS)
-            torch.cuda.synchronize()
+            sync()
             b0 = time.perf_counter()
             outs = llm.generate(prompts.batch(index), params, lora, use_tqdm=False)
-            torch.cuda.synchronize()
+            sync()
             row = {"batch": index, "seconds": round(time.perf_counter() - b0, 3),
                    "cached_tokens": sum(o.num_cached_tokens for o in outs),
                    "step_seconds": [s["s"] for s in steps],
@@ -97,4 +99,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], quick="--quick" in sys.argv[2:])  # --quick: a 4-layer smoke test
