@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, in one call on the GPU machine (no installs there:
 # PYTHONPATH=src). Results land in $OUT (or ./out); copy them into benchmarks/results/.
-#   benchmarks/gpu.sh [tests] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
+#   benchmarks/gpu.sh [tests] [tests-kernels] [tests-engine] [kernels] [kernels-quick] [sweep] [ops] [engine] [profile]
 #                     [gpu-ops-tests] [attention-tiles] [matmul-small-m] [split-kv-sweep]
 #                     [profile-levels] [fused-qkv] [vendor-gemm] [profile-overlap]
 #                     [matmul-split-counts] [matmul-unsplit-tiles] [matmul-decode-tiles] [attention-fold] [pdl-decode]
@@ -25,8 +25,19 @@ status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests) python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
-             | tail -n 25 || status=1 ;;
+    # The whole GPU suite took 540 s at b6b0cce, near one device call's 600 s limit: the two
+    # halves below fit one call each.
+    tests) python3 -m pytest -q tests/gpu -p no:cacheprovider --durations=15 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -n 45 || status=1 ;;
+    tests-kernels) python3 -m pytest -q tests/gpu/test_lora_kernels_gpu.py \
+                     tests/gpu/test_matmul_gpu.py tests/gpu/test_paged_attention_gpu.py \
+                     tests/gpu/test_rowwise_ops_gpu.py tests/gpu/test_pdl_gpu.py \
+                     -p no:cacheprovider --durations=15 2>&1 \
+                     | tee "$OUT/gpu_tests_kernels.log" | tail -n 45 || status=1 ;;
+    tests-engine) python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_models_gpu.py \
+                    tests/gpu/test_sampling_gpu.py tests/gpu/test_demo_gpu.py \
+                    -p no:cacheprovider --durations=15 2>&1 \
+                    | tee "$OUT/gpu_tests_engine.log" | tail -n 45 || status=1 ;;
     kernels) python3 -m detlora.cli bench kernels --out "$OUT/lora_kernels.json" || status=1 ;;
     kernels-quick) python3 -m detlora.cli bench kernels --quick \
                      --out "$OUT/lora_kernels_quick.json" || status=1 ;;
