@@ -23,9 +23,10 @@ one rounding to the output dtype. Two kernels build exactly that sum:
                  launch, no zeroing). With S = 1: one CTA per tile, storing directly.
     persistent   (many rows) one CTA per SM walks output tiles in grouped (L2-friendly) order
                  and sums every chunk of a tile itself, in one pipelined loop, with no scratch.
-BLOCK_M, BLOCK_N, the K width of a load (``load_k``), warps, stages, TMA or pointer loads and
-the path only move work around: each output element is the same sequence of 16-deep fp32 MMA
-accumulations, so the GPU tests prove rows equal with ``torch.equal`` across all of them.
+BLOCK_M, BLOCK_N (or two parts side by side, ``block_n2``), the K width of a load
+(``load_k``), warps, stages, TMA or pointer loads and the path only move work around: each
+output element is the same sequence of 16-deep fp32 MMA accumulations, so the GPU tests prove
+rows equal with ``torch.equal`` across all of them.
 S = 1 keeps one accumulator, which lets the persistent kernel use 128x256 tiles; S > 1 needs a
 second (the running total) and so at most 128x128 tiles. Decode does not need the split once N
 gives it enough 16-column tiles that load 128-256 K elements at a time, so S > 1 is kept to
