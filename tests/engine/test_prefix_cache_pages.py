@@ -169,6 +169,68 @@ def test_a_preempted_sequence_takes_back_its_own_pages():
     assert seq.num_computed == 12 and seq.num_cached_tokens == 0  # set at first admission
 
 
+def _step(s: Scheduler, bm: BlockManager) -> dict[int, int]:
+    """Schedule one step and count its tokens computed (what the engine does after a step);
+    sampled tokens are not appended, so a finished prompt shows no further tokens."""
+    out = s.schedule()
+    for x in out.scheduled:
+        x.seq.num_computed += x.num_tokens
+        bm.register(x.seq)
+    return {x.seq.seq_id: x.num_tokens for x in out.scheduled if x.num_tokens}
+
+
+def test_a_page_being_computed_is_waited_for_not_computed_twice():
+    bm = BlockManager(32, 4, enable_caching=True)
+    s = scheduler(bm)
+    first, same, other = seq_of(0, [*PREFIX, 1]), seq_of(1, [*PREFIX, 2]), seq_of(2, [5] * 9)
+    for seq in (first, same, other):
+        s.add(seq)
+    # The second shares the first's two pages, which this very step computes: it waits and
+    # keeps its place; the unrelated prompt is admitted behind it.
+    assert _step(s, bm) == {0: 9, 2: 9}
+    assert list(s.waiting) == [same]
+    got = _step(s, bm)  # the first's pages are registered now
+    assert got == {1: 1} and same.num_cached_tokens == 8
+    assert same.block_table[:2] == first.block_table[:2]
+    assert bm._computing == {}  # every mark cleared by registration
+
+
+def test_a_chunked_prefill_is_followed_page_by_page():
+    bm = BlockManager(32, 4, enable_caching=True)
+    s = scheduler(bm, budget=8)
+    prompt = [*PREFIX, 20, 21, 22, 23, 1]  # three full pages and a token
+    leader, follower = seq_of(0, prompt), seq_of(1, [*prompt[:-1], 2])
+    s.add(leader)
+    s.add(follower)
+    steps = [_step(s, bm) for _ in range(3)]
+    # Step 2 leaves budget over, but the follower's next page (the third) is the leader's
+    # chunk in that step: it waits, then takes all three pages from the cache and computes
+    # only its own last token.
+    assert steps == [{0: 8}, {0: 5}, {1: 1}]
+    assert follower.num_cached_tokens == 12 and bm.num_hit_tokens == 12
+
+
+def test_marks_are_cleared_when_the_computing_sequence_leaves():
+    for leave in ("preempt", "abort", "finish"):
+        bm = BlockManager(32, 4, enable_caching=True)
+        s = scheduler(bm)
+        leader, follower = seq_of(0, [*PREFIX, 1]), seq_of(1, [*PREFIX, 2])
+        s.add(leader)
+        s.schedule()  # the leader is admitted; its pages are not computed yet
+        assert bm._computing
+        if leave == "preempt":
+            s._preempt(s.running.pop())
+        elif leave == "abort":
+            s.abort_all()
+            s.add(leader)
+        else:
+            bm.free(leader, register=False)
+            s.running.remove(leader)
+        assert bm._computing == {}, leave
+        s.add(follower)
+        assert not bm.next_page_computing(follower, bm.cached_prefix(follower)), leave
+
+
 @pytest.mark.parametrize("flag", ["yes", 1])
 def test_enable_prefix_caching_must_be_a_bool(flag, tmp_path):
     from detlora.config import EngineConfig

@@ -12,6 +12,12 @@ last token is always computed, so its step has a row to sample from. A page nobo
 keeps its key while it waits in the free list, and loses it only when it is handed out again:
 the least recently freed cached page is evicted first. Shared pages are full, so nobody writes
 to them again.
+
+Pages being computed: from its admission until each page is registered, a running sequence
+marks the keys of its known full pages (``mark_computing``). A waiting sequence whose next
+uncached page is one of them is better off waiting for it than computing it a second time
+(``next_page_computing``): n completions of one prompt, or a burst of requests with one system
+prompt, then compute the shared pages once.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class BlockManager:
         self._ref_count = [0] * num_blocks
         self._cached: dict[bytes, int] = {}  # content key -> page
         self._key_of: dict[int, bytes] = {}  # page -> its content key, for registered pages
+        self._computing: dict[bytes, int] = {}  # key -> running sequences computing that page
         self.num_queried_tokens = 0  # tokens of admitted sequences looked up in the cache
         self.num_hit_tokens = 0  # of which found
 
@@ -81,6 +88,7 @@ class BlockManager:
         ``register=False`` (an aborted run) adds no page to the cache."""
         if register:
             self.register(seq)
+        self._unmark(seq, seq.num_computing_end)
         for block in reversed(seq.block_table):
             count = self._ref_count[block]
             if count < 1:
@@ -140,7 +148,38 @@ class BlockManager:
             if key not in self._cached and page not in self._key_of:
                 self._cached[key] = page
                 self._key_of[page] = key
+        self._unmark(seq, end)
         seq.num_registered_pages = max(seq.num_registered_pages, end)
+
+    def mark_computing(self, seq: Sequence) -> None:
+        """``seq`` was just admitted: the keys of its known full pages past the registered
+        ones are being computed, until ``register`` (or ``free``) clears them."""
+        if not self.enable_caching:
+            return
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        for key in keys[seq.num_registered_pages:]:
+            self._computing[key] = self._computing.get(key, 0) + 1
+        seq.num_computing_end = len(keys)
+
+    def next_page_computing(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether the page ``seq`` would compute first after ``cached`` is one that a running
+        sequence is computing now (and ``seq`` could share it once it is registered)."""
+        i = len(cached)
+        if not self._computing or i >= (len(seq.token_ids) - 1) // self.block_size:
+            return False
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        return i < len(keys) and keys[i] in self._computing
+
+    def _unmark(self, seq: Sequence, end: int) -> None:
+        """Clear ``seq``'s computing marks on its pages before ``end`` (registered or freed)."""
+        for key in seq.page_keys[seq.num_registered_pages:min(end, seq.num_computing_end)]:
+            count = self._computing[key] - 1
+            if count:
+                self._computing[key] = count
+            else:
+                del self._computing[key]
+        if end >= seq.num_computing_end:
+            seq.num_computing_end = 0
 
     @property
     def num_cached_pages(self) -> int:

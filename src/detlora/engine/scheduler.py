@@ -13,8 +13,9 @@ Policy (one step, a token budget of ``max_num_batched_tokens``):
    step use more than ``max_loras`` adapters waits and the next one is considered; one that
    cannot get pages stops admission (so a long prompt is not starved by short ones). With
    prefix caching a sequence first takes the cached pages of its prefix (``BlockManager``)
-   and is given only the tokens after them; a request for prompt logprobs computes every
-   position, so it takes none.
+   and is given only the tokens after them; one whose next page a running sequence is
+   computing waits (keeping its place) until that page is cached; a request for prompt
+   logprobs computes every position, so it takes none.
 
 A sequence is sampled in a step when the step computes its last pending token. Nothing here
 touches tensors or global state: an engine owns one scheduler and drives it step by step.
@@ -118,6 +119,11 @@ class Scheduler:
                 continue
             lookup = self.blocks.enable_caching and seq.params.prompt_logprobs is None
             cached = self.blocks.cached_prefix(seq) if lookup else []
+            if lookup and self.blocks.next_page_computing(seq, cached):
+                # A running sequence is computing the next page: take it from the cache once
+                # it is registered instead of computing it twice.
+                skipped.append(self.waiting.popleft())
+                continue
             start = len(cached) * self.blocks.block_size
             n = len(seq.token_ids) - start
             if n > budget:
@@ -132,6 +138,7 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
+            self.blocks.mark_computing(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.lora is not None:

@@ -55,6 +55,7 @@ class Sequence:
     num_preemptions: int = 0
     page_keys: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
+    num_computing_end: int = 0  # pages [num_registered_pages, this) are marked as computing
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
 
     def __post_init__(self) -> None:
