@@ -101,6 +101,29 @@ def test_n_completions_and_prompt_logprobs_with_the_cache(case, llama_dir):
     assert [c.logprobs for c in out.outputs] == [c.logprobs for c in ref.outputs]
 
 
+def test_pages_being_computed_are_shared_on_a_cold_cache(case, llama_dir):
+    """Nothing cached yet: n completions of one prompt, and requests sharing a system prompt
+    that arrive together, compute the shared pages once (the others wait a step for them) and
+    keep the bits of the uncached runs."""
+    prompts, _, mixed, _, plain = case
+    n_params = SamplingParams(max_tokens=6, n=4, temperature=1.0, seed=3, logprobs=0)
+    ref = plain.generate(prompts[4], n_params, mixed[4], use_tqdm=False)[0]
+    llm = make_llm(llama_dir)
+    out = llm.generate(prompts[4], n_params, mixed[4], use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    assert [c.logprobs for c in out.outputs] == [c.logprobs for c in ref.outputs]
+    bm = llm.engine.block_manager
+    assert bm.num_hit_tokens == 3 * ((len(prompts[4]) - 1) // 16 * 16)  # completions 1-3
+    params = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)
+    burst = [prompts[k] for k in (0, 3, 6)]  # one adapter (None), one system prompt
+    refs = [plain.generate(p, params, None, use_tqdm=False)[0] for p in burst]
+    fresh = make_llm(llama_dir)
+    outs = fresh.generate(burst, params, None, use_tqdm=False)
+    assert_same(outs, refs)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+    assert fresh.engine.block_manager._computing == {}
+
+
 def test_reset_prefix_cache(case, llama_dir):
     prompts, params, mixed, alone, _ = case
     llm = make_llm(llama_dir)
