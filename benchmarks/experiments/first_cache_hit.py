@@ -20,8 +20,7 @@ import torch
 from triton import knobs
 
 from detlora.cli import results_meta
-from detlora.study.bench_engine import write_adapter, write_model
-from detlora.study.bench_prefix_cache import PrefixPlan, _Prompts
+from detlora.study.bench_prefix_cache import PrefixPlan, make_llm, write_assets
 
 EVENTS: list[dict] = []
 _STARTED: dict[tuple, float] = {}
@@ -41,25 +40,15 @@ def _post(**kw) -> None:
 
 def main(out_path: str, quick: bool = False) -> None:
     from detlora.config import SamplingParams
-    from detlora.engine.llm import LLM
-    from detlora.lora.request import LoRARequest
-
     plan = PrefixPlan.quick() if quick else PrefixPlan()
     knobs.runtime.jit_cache_hook = _pre
     knobs.runtime.jit_post_compile_hook = _post
     batches = []
     with tempfile.TemporaryDirectory(prefix="detlora-first-hit-") as tmp:
-        root = Path(tmp)
-        write_model(root / "model", plan.shape)
-        write_adapter(root / "adapter", plan.shape, seed=10)
-        lora = LoRARequest("guard", 1, str(root / "adapter"))
-        prompts = _Prompts(plan)
+        model_dir, lora, prompts = write_assets(Path(tmp), plan)
         t0 = time.perf_counter()
         cuda = torch.cuda.is_available()
-        llm = LLM(str(root / "model"), enable_lora=True, max_loras=1,
-                  max_lora_rank=plan.shape.rank, determinism="batch_invariant",
-                  max_model_len=plan.shared_len + plan.unique_len + 16, max_num_seqs=256,
-                  max_num_batched_tokens=8192, enable_prefix_caching=True)
+        llm = make_llm(model_dir, plan, "batch_invariant", caching=True)
         init_s = time.perf_counter() - t0
         init_compiles = len(EVENTS)
         engine = llm.engine

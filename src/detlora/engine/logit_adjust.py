@@ -59,13 +59,19 @@ def has_penalties(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
+def has_adjustments(params: SamplingParams) -> bool:
+    """Whether a request's rows need ``row_adjust`` at all (cheap: checked every step)."""
+    return bool(has_penalties(params) or params.logit_bias or params.allowed_token_ids
+                or min_p_offset(params) is not None)
+
+
 def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
                output_ids: Sequence[int]) -> RowAdjust | None:
     """The adjustments of a row that samples after ``output_ids``; None when it has none."""
+    if not has_adjustments(params):
+        return None
     penalties = has_penalties(params)
     offset = min_p_offset(params)
-    if not (penalties or params.logit_bias or params.allowed_token_ids or offset is not None):
-        return None
     seen: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
     if penalties:

@@ -63,14 +63,29 @@ class _Prompts:
         return [self.shared + t for t in tails.tolist()]
 
 
+def write_assets(root: Path, plan: PrefixPlan) -> tuple[Path, Any, _Prompts]:
+    """The workload's model and adapter under ``root``: (model dir, LoRARequest, prompts)."""
+    from detlora.lora.request import LoRARequest
+
+    write_model(root / "model", plan.shape)
+    write_adapter(root / "adapter", plan.shape, seed=10)
+    return root / "model", LoRARequest("guard", 1, str(root / "adapter")), _Prompts(plan)
+
+
+def make_llm(model_dir: Path, plan: PrefixPlan, mode: str, caching: bool) -> Any:
+    """The engine every run of the workload uses (one adapter slot, 8192-token steps)."""
+    from detlora.engine.llm import LLM
+
+    return LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=plan.shape.rank,
+               determinism=mode, max_model_len=plan.shared_len + plan.unique_len + 16,
+               max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=caching)
+
+
 def _run_engine(model_dir: Path, lora: Any, plan: PrefixPlan, mode: str, caching: bool,
                 prompts: _Prompts) -> tuple[dict[str, Any], list[list[Any]]]:
     from detlora.config import SamplingParams
-    from detlora.engine.llm import LLM
 
-    llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=plan.shape.rank,
-              determinism=mode, max_model_len=plan.shared_len + plan.unique_len + 16,
-              max_num_seqs=256, max_num_batched_tokens=8192, enable_prefix_caching=caching)
+    llm = make_llm(model_dir, plan, mode, caching)
     params = SamplingParams(max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
     outputs: list[list[Any]] = []
     times: list[float] = []
@@ -100,22 +115,16 @@ def _run_engine(model_dir: Path, lora: Any, plan: PrefixPlan, mode: str, caching
 def run(log: Callable[[str], None] = print, quick: bool = False) -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise RuntimeError("the prefix caching benchmark needs a CUDA GPU")
-    from detlora.lora.request import LoRARequest
-
     plan = PrefixPlan.quick() if quick else PrefixPlan()
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     determinism: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="detlora-bench-prefix-") as tmp:
-        root = Path(tmp)
-        write_model(root / "model", plan.shape)
-        write_adapter(root / "adapter", plan.shape, seed=10)
-        lora = LoRARequest("guard", 1, str(root / "adapter"))
-        prompts = _Prompts(plan)
+        model_dir, lora, prompts = write_assets(Path(tmp), plan)
         for mode in plan.modes:
             by_caching = {}
             for caching in (False, True):
-                row, outs = _run_engine(root / "model", lora, plan, mode, caching, prompts)
+                row, outs = _run_engine(model_dir, lora, plan, mode, caching, prompts)
                 runs.append(row)
                 by_caching[caching] = outs
                 log(f"{mode:16s} cache {'on ' if caching else 'off'}: "
