@@ -106,14 +106,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("n", self.n, low=1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if _check_number("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         _check_int("top_k", self.top_k, low=-1)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _check_number("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**64 - 1)
