@@ -10,7 +10,7 @@
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
-#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] ...
+#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +66,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
 indent=1)" "$OUT/split_kv_sweep.json" || status=1 ;;
     profile-levels) python3 -m detlora.study.profile_engine --modes run_to_run,batch_invariant \
                       --batches 1,64 --tokens 16 --out "$OUT/profile_levels.json" || status=1 ;;
+    profile-bi-large) python3 -m detlora.study.profile_engine --modes batch_invariant \
+                        --batches 64,256 --tokens 16 --out "$OUT/profile_bi_large.json" || status=1 ;;
     fused-qkv) python3 benchmarks/experiments/fused_qkv_rotary.py "$OUT/fused_qkv_rotary.json" \
                  || status=1 ;;
     vendor-gemm) python3 benchmarks/experiments/vendor_gemm_layouts.py \
