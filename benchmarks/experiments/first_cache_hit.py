@@ -5,7 +5,8 @@ Runs bench_prefix_cache's guardrail workload (Llama-3.2-3B shape, 256 requests s
 1024-token policy prompt, 64 tokens each of their own, 4-token verdicts) with the cache on, at
 ``batch_invariant``: a warm-up batch, then three batches with fresh suffixes. For each batch it
 records the wall time, every engine step's wall time and scheduled token count, and every
-Triton compilation (kernel and seconds, from Triton's JIT hooks) that happened inside it.
+Triton compilation (kernel, seconds and the specialized signature, from Triton's JIT hooks)
+that happened inside it, and those of the engine's start-up.
 
     PYTHONPATH=src python benchmarks/experiments/first_cache_hit.py OUT.json
 """
@@ -35,7 +36,7 @@ def _post(**kw) -> None:
     key = kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)
     start = _STARTED.pop(key, None)
     EVENTS.append({"kernel": kw["fn"].name, "seconds": None if start is None
-                   else round(time.perf_counter() - start, 3), "repr": kw["repr"][:400]})
+                   else round(time.perf_counter() - start, 3), "repr": kw["repr"]})
 
 
 def main(out_path: str, quick: bool = False) -> None:
@@ -84,6 +85,7 @@ def main(out_path: str, quick: bool = False) -> None:
     meta = results_meta("python benchmarks/experiments/first_cache_hit.py OUT.json")
     Path(out_path).write_text(json.dumps({"meta": meta, "init_s": round(init_s, 2),
                                           "init_compiles": init_compiles,
+                                          "init_events": EVENTS[:init_compiles],
                                           "batches": batches}, indent=1) + "\n")
 
 
