@@ -282,7 +282,7 @@ def _shrink_kernel(
                 tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_ps"])  # rows change with the batch
 def _tree_reduce_kernel(
     scratch_ptr,
     out_ptr,

@@ -131,6 +131,8 @@ _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never deci
 _SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
+# Kernel ints that change with the step's batch (paged attention and split-KV).
+STEP_INTS = ("num_seqs", "num_tokens", "max_blocks", "tiles_per_seq", "stride_bt")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2E = 1.4426950408889634
@@ -498,7 +500,10 @@ def _fold_partials(tot_m, tot_den, tot_a, parts):
     return tot_m, tot_den, tot_a
 
 
-@triton.jit
+# Ints that change with the step's batch (counts, table width) are not specialized: each new
+# value of ``x == 1`` or ``x % 16`` would compile another variant (~1.2 s on the H200, in
+# the middle of serving), for loop bounds and masks that gain nothing from it.
+@triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -1020,6 +1025,7 @@ __all__ = [
     "BLOCK_N",
     "COUNTERS",
     "KV_SEGMENT",
+    "STEP_INTS",
     "call_tile_config",
     "check_write_kv_args",
     "decode_tile_config",

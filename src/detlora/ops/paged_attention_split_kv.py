@@ -20,6 +20,7 @@ from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.paged_attention import (
     BLOCK_N,
     LOG2E,
+    STEP_INTS,
     attend_blocks,
     check_attention_args,
     find_tile,
@@ -34,7 +35,7 @@ _MAX_SPLITS = 128
 _MAX_SCRATCH_FLOATS = 1 << 25
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS)
 def _split_kv_kernel(
     q_ptr,
     k_cache_ptr,
@@ -136,7 +137,7 @@ def _split_kv_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _combine_kernel(
     part_acc_ptr,
     part_ml_ptr,

@@ -90,7 +90,7 @@ def _chunk_offsets(CHUNK: tl.constexpr, FP32_VEC: tl.constexpr):
     return tl.arange(0, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_plane"])  # rows x chunks: changes with the batch
 def _softmax_stats_kernel(x_ptr, stats_ptr, stride_x, stats_plane, V: tl.constexpr,
                           CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                           FP32_VEC: tl.constexpr):
@@ -133,7 +133,7 @@ def _row_max_and_sum(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane, V
     return x, m, s, y_ptr + row * stride_y + o, o < V
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_plane"])
 def _softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane, V: tl.constexpr,
                     CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr):
     x, m, s, y, ok = _row_max_and_sum(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane,
@@ -141,7 +141,7 @@ def _softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane, V:
     tl.store(y, (tl.exp(x - m) / s).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_plane"])
 def _log_softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane,
                         V: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                         CHUNKS_P2: tl.constexpr):
@@ -150,7 +150,7 @@ def _log_softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane
     tl.store(y, ((x - m) - tl.log(s)).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stats_plane"])
 def _chosen_logprob_kernel(x_ptr, index_ptr, out_ptr, stats_ptr, stride_x, stride_index,
                            stride_out, stats_plane, V: tl.constexpr, CHUNK: tl.constexpr,
                            NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
