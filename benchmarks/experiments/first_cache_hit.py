@@ -36,7 +36,15 @@ def _post(**kw) -> None:
     key = kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)
     start = _STARTED.pop(key, None)
     EVENTS.append({"kernel": kw["fn"].name, "seconds": None if start is None
-                   else round(time.perf_counter() - start, 3), "repr": kw["repr"]})
+                   else round(time.perf_counter() - start, 3), "args": _specialization(kw)})
+
+
+def _specialization(kw) -> dict[str, str]:
+    """Each argument's specialization (type and ``D`` for divisible by 16, or a constexpr's
+    value), by name. The hook's own ``repr`` cannot be used: Triton 3.6 builds it from the
+    wrong element of the key and prints only ``(q_ptr: (``."""
+    params = kw["fn"].jit_function.params
+    return {p.name: str(spec) for p, spec in zip(params, kw["key"][0], strict=True)}
 
 
 def main(out_path: str, quick: bool = False) -> None:
