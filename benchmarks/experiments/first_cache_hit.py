@@ -39,12 +39,11 @@ def _post(**kw) -> None:
                    else round(time.perf_counter() - start, 3), "args": _specialization(kw)})
 
 
-def _specialization(kw) -> dict[str, str]:
-    """Each argument's specialization (type and ``D`` for divisible by 16, or a constexpr's
-    value), by name. The hook's own ``repr`` cannot be used: Triton 3.6 builds it from the
-    wrong element of the key and prints only ``(q_ptr: (``."""
-    params = kw["fn"].jit_function.params
-    return {p.name: str(spec) for p, spec in zip(params, kw["key"][0], strict=True)}
+def _specialization(kw) -> dict:
+    """The compile's specialization key, raw, beside the kernel's parameter names. The hook's
+    own ``repr`` cannot be used: Triton 3.6 builds it from the wrong element of the key and
+    prints only ``(q_ptr: (``."""
+    return {"params": [p.name for p in kw["fn"].jit_function.params], "key": str(kw["key"])}
 
 
 def main(out_path: str, quick: bool = False) -> None:
