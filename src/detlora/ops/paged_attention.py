@@ -131,8 +131,12 @@ _TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never deci
 _SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
-# Kernel ints that change with the step's batch (paged attention and split-KV).
+# Kernel arguments that change with the step's batch (paged attention and split-KV): ints
+# whose ``== 1`` / ``% 16`` specialization would compile a variant per new value, and index
+# pointers read a few words at a time, which graphs pass as views of their static buffers
+# (not 16-byte aligned) and eager steps as fresh tensors (aligned).
 STEP_INTS = ("num_seqs", "num_tokens", "max_blocks", "tiles_per_seq", "stride_bt")
+INDEX_POINTERS = ("seq_lens_ptr", "query_start_loc_ptr")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2E = 1.4426950408889634
@@ -500,10 +504,11 @@ def _fold_partials(tot_m, tot_den, tot_a, parts):
     return tot_m, tot_den, tot_a
 
 
-# Ints that change with the step's batch (counts, table width) are not specialized: each new
-# value of ``x == 1`` or ``x % 16`` would compile another variant (~1.2 s on the H200, in
-# the middle of serving), for loop bounds and masks that gain nothing from it.
-@triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks"])
+# The batch-dependent arguments (STEP_INTS, INDEX_POINTERS) are not specialized: each new
+# ``x == 1``, ``x % 16`` or alignment would compile another variant (~1.2 s on the H200, in
+# the middle of serving) for loop bounds, masks and scalar loads that gain nothing from it.
+@triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks"],
+            do_not_specialize_on_alignment=[*INDEX_POINTERS, "counter_ptr"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -1013,8 +1018,11 @@ def paged_attention(
         block_tables.stride(0),
         PAGE=problem.page_size, GROUP=problem.group, HEAD_DIM=problem.head_dim,
         BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=ctas > 1,
-        MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len),
+        # Constexprs a path does not read are pinned, so they make no extra variants.
+        SEARCH=search, BLOCK_B=search_block(problem.num_seqs) if search else 128,
+        SPLIT=ctas > 1,
+        MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len)
+        if ctas > 1 else _MERGE_ROWS,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
@@ -1024,6 +1032,7 @@ def paged_attention(
 __all__ = [
     "BLOCK_N",
     "COUNTERS",
+    "INDEX_POINTERS",
     "KV_SEGMENT",
     "STEP_INTS",
     "call_tile_config",

@@ -19,6 +19,7 @@ import triton.language as tl
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.paged_attention import (
     BLOCK_N,
+    INDEX_POINTERS,
     LOG2E,
     STEP_INTS,
     attend_blocks,
@@ -35,7 +36,7 @@ _MAX_SPLITS = 128
 _MAX_SCRATCH_FLOATS = 1 << 25
 
 
-@triton.jit(do_not_specialize=STEP_INTS)
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=INDEX_POINTERS)
 def _split_kv_kernel(
     q_ptr,
     k_cache_ptr,
@@ -240,7 +241,8 @@ def paged_attention_split_kv(
         block_tables.stride(0),
         PAGE=problem.page_size, GROUP=group, HEAD_DIM=problem.head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-        SEARCH=search, BLOCK_B=search_block(problem.num_seqs), SPLIT=splits > 1,
+        SEARCH=search, BLOCK_B=search_block(problem.num_seqs) if search else 128,
+        SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
