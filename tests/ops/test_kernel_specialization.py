@@ -1,0 +1,101 @@
+"""Arguments that change with the batch make no new compiled kernel variants.
+
+Triton compiles a variant per specialization of a launch: every int argument's ``== 1`` and
+``% 16``, every pointer's 16-byte alignment, every constexpr value. On the H200 one paged
+attention variant takes ~1.2 s to compile, so a serving engine must not meet a new one because
+a step had another batch size (benchmarks/results/first_cache_hit.json: the first prefix-cache
+hit compiled one until fff7c66).
+"""
+
+import pytest
+import torch
+
+from detlora.ops import lora_shrink, matmul, rms_norm, softmax
+from detlora.ops import paged_attention as pa
+from detlora.ops import paged_attention_split_kv as pas
+
+# kernel, ints that change with the batch, pointers whose alignment changes with the launch
+BATCH_DEPENDENT = [
+    (pa._paged_attention_kernel, {*pa.STEP_INTS, "seg_blocks"},
+     {*pa.INDEX_POINTERS, "counter_ptr"}),
+    (pas._split_kv_kernel, set(pa.STEP_INTS), set(pa.INDEX_POINTERS)),
+    (pas._combine_kernel, {"num_splits", "num_tokens"}, set()),
+    (softmax._softmax_stats_kernel, {"stats_plane"}, set()),
+    (softmax._softmax_kernel, {"stats_plane"}, set()),
+    (softmax._log_softmax_kernel, {"stats_plane"}, set()),
+    (softmax._chosen_logprob_kernel, {"stats_plane"}, set()),
+    (rms_norm._rms_norm_kernel, {"n_rows"}, set()),
+    (rms_norm._fused_add_rms_norm_kernel, {"n_rows"}, set()),
+    (matmul._mm_split_kernel, {"M"}, set()),
+    (matmul._mm_persistent_kernel, {"M"}, set()),
+    (lora_shrink._tree_reduce_kernel, {"M", "stride_ps"}, set()),
+]
+
+
+def _unspecialized(kernel) -> tuple[set[str], set[str]]:
+    """Names left unspecialized (value, alignment), for a compiled or interpreted kernel."""
+    if hasattr(kernel, "params"):  # JITFunction (a GPU machine)
+        return ({p.name for p in kernel.params if p.do_not_specialize},
+                {p.name for p in kernel.params if p.do_not_specialize_on_alignment})
+    kw = kernel.kwargs  # InterpretedFunction keeps the decorator's arguments
+    return set(kw["do_not_specialize"] or ()), set(kw["do_not_specialize_on_alignment"] or ())
+
+
+def _names(kernel) -> set[str]:
+    return {p.name for p in kernel.params} if hasattr(kernel, "params") else set(kernel.arg_names)
+
+
+@pytest.mark.parametrize("kernel, ints, pointers", BATCH_DEPENDENT,
+                         ids=[k[0].fn.__name__ for k in BATCH_DEPENDENT])
+def test_batch_dependent_arguments_are_not_specialized(kernel, ints, pointers):
+    assert ints | pointers <= _names(kernel)  # the names are the kernel's
+    values, alignments = _unspecialized(kernel)
+    assert ints <= values
+    assert pointers <= alignments
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch's keyword (constexpr) arguments."""
+
+    def __init__(self) -> None:
+        self.constexprs: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.constexprs.append(kwargs)
+        return launch
+
+
+def _decode_call(num_seqs: int, max_query_len: int, kv_ctas: int = 1, blocks: int = 12) -> dict:
+    """The constexprs paged attention launches for ``num_seqs`` rows of ``max_query_len``
+    queries each (GQA 6/2 heads of 16, pages of 4, ``blocks`` pages a row)."""
+    hq, hk, d, page = 6, 2, 16, 4
+    t = num_seqs * max_query_len
+    q = torch.zeros(t, hq, d)
+    k_cache = torch.zeros(num_seqs * blocks, page, hk, d)
+    tables = torch.arange(num_seqs * blocks, dtype=torch.int32).view(num_seqs, blocks)
+    seq_lens = torch.full((num_seqs,), 40, dtype=torch.int32)
+    qsl = torch.arange(0, t + 1, max_query_len, dtype=torch.int32)
+    launches = _Launches()
+    kernel = pa._paged_attention_kernel
+    pa._paged_attention_kernel = launches
+    try:
+        pa.paged_attention(q, k_cache, k_cache.clone(), tables, seq_lens, qsl, 0.25,
+                           max_query_len=max_query_len, kv_ctas=kv_ctas)
+    finally:
+        pa._paged_attention_kernel = kernel
+    (constexprs,) = launches.constexprs
+    return constexprs
+
+
+def test_unread_constexprs_do_not_follow_the_batch():
+    # Direct tile numbering never reads BLOCK_B (the search block: 128 up to 128 sequences,
+    # 1024 above), and the unsplit path never reads MERGE_ROWS (from the query length).
+    small = _decode_call(3, 1)
+    assert small["SEARCH"] is False and small["SPLIT"] is False
+    assert _decode_call(200, 1) == small
+    assert _decode_call(3, 2) == small
+    # Where they are read, they still follow the batch: the split path's fold rows.
+    split = [_decode_call(3, n, kv_ctas=2, blocks=300) for n in (1, 2)]  # 3 KV segments
+    assert split[0]["SPLIT"] is True
+    assert split[0]["MERGE_ROWS"] != split[1]["MERGE_ROWS"]
