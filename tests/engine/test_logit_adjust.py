@@ -60,6 +60,55 @@ def test_flat_adjustment_is_the_reference_bit_for_bit():
         assert torch.equal(x, torch.stack(want))
 
 
+def test_a_pending_last_token_gives_the_bits_of_a_read_one():
+    # A step launched ahead: each row's last output token sits on the device, in the previous
+    # step's tokens (here shuffled, as fed rows are). The token is new to the row, already in
+    # its outputs or prompt, or a token the logit bias moved, so its count is 1 or one more
+    # than the host's.
+    rng = random.Random(1)
+    vocab = 40
+    for trial in range(40):
+        n = rng.choice([1, 2, 5])
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(trial))
+        fed = torch.full((n + 3,), -7, dtype=rng.choice([torch.int64, torch.float64]))
+        src = rng.sample(range(n + 3), n)
+        rows, want = [], []
+        for i in range(n):
+            params = _random_params(rng, vocab)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+            out = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+            last = rng.choice([rng.randrange(vocab), *prompt, *out,
+                               *(params.logit_bias or {})])
+            fed[src[i]] = last
+            want.append(adjust_row_ref(logits[i], params, prompt, [*out, last]))
+            adjust = row_adjust(params, prompt, [*out, -1], pending_src=src[i])
+            if adjust is not None:
+                assert (adjust.pending_src is not None) == (params.repetition_penalty != 1.0
+                                                            or params.presence_penalty != 0.0
+                                                            or params.frequency_penalty != 0.0)
+                rows.append((i, adjust))
+        up = _Upload()
+        sections = _pack_adjustments(up, rows)
+        x = logits.clone()
+        if rows:
+            apply_adjustments(x, _adjust_tensors(up.send(torch.device("cpu"), None), sections,
+                                                 fed))
+        assert torch.equal(x, torch.stack(want)), trial
+
+
+def test_a_pending_token_must_be_the_unread_last_one():
+    params = SamplingParams(repetition_penalty=1.2)
+    with pytest.raises(RuntimeError, match="pending output token"):
+        row_adjust(params, [1], [2, 3], pending_src=0)  # the last token is read
+    with pytest.raises(RuntimeError, match="on the host"):
+        row_adjust(params, [1], [-1, 3])  # an unread token that is not declared pending
+    adjust = row_adjust(params, [1], [2, -1], pending_src=4)
+    assert adjust.pending_src == 4 and adjust.seen_tokens == (1, 2)
+    assert row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
+    with pytest.raises(ValueError, match="pass fed"):
+        Sampler(argmax_ref, log_softmax_ref).launch(torch.zeros(1, 8), [SampleRequest(params, 1, 3, adjust=adjust)])
+
+
 def test_each_adjustment_does_what_it_says():
     x = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
     allowed = adjust_row_ref(x, SamplingParams(allowed_token_ids=[1, 3]), [], [])

@@ -63,3 +63,27 @@ def test_running_ahead_gives_the_same_outputs_and_steps(llama_dir, case, kw):
     assert not engine.has_unfinished() and engine._inflight is None
     if kw:
         assert engine.scheduler.num_preemptions > 0
+
+
+def _penalized(k: int) -> SamplingParams:
+    # Strong penalties, so a token left out of a row's counts changes what it samples next.
+    common = dict(max_tokens=8 + k, logprobs=1, stop_token_ids=STOPS, min_tokens=2,
+                  repetition_penalty=(1.0, 2.0, 0.5)[k % 3],
+                  frequency_penalty=(0.0, 1.5, -1.0)[k % 3],
+                  presence_penalty=(2.0, 0.0, -2.0)[k % 3])
+    if k % 2 == 0:
+        return SamplingParams(**common)
+    return SamplingParams(**common, temperature=0.9, top_p=0.9, seed=200 + k)
+
+
+def test_penalized_requests_run_ahead_with_the_same_outputs(llama_dir, case):
+    # Penalties count the row's last token, which a step launched ahead has only on the
+    # device: the sampler adds it there (logit_adjust), so these requests run ahead too.
+    prompts, _, mixed = case
+    case = prompts, [_penalized(k) for k in range(N)], mixed
+    base_engine, base = _run(llama_dir, case, False)
+    engine, outs = _run(llama_dir, case, True)
+    bad = [k for k, (a, b) in enumerate(zip(outs, base, strict=True)) if not same_outputs(a, b)]
+    assert not bad, f"outputs {bad} differ when running ahead"
+    assert engine.num_steps_ahead > engine.num_steps // 2
+    assert base_engine.num_steps <= engine.num_steps

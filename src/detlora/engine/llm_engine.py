@@ -20,7 +20,7 @@ from detlora.engine import cpu_invariant_ops, kv_sizing
 from detlora.engine.block_hashes import UNREAD
 from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
-from detlora.engine.logit_adjust import has_adjustments, has_penalties, row_adjust
+from detlora.engine.logit_adjust import has_adjustments, row_adjust
 from detlora.engine.model_runner import ModelRunner
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive_seed
@@ -374,8 +374,12 @@ class LLMEngine:
         if not sampling:
             return None
         assert out is not None
-        pending = self.sampler.launch(out.logits, [self._sample_request(s) for s in sampling],
-                                      greedy=out.greedy)
+        # A step launched ahead: sequence i's last token is row fed_rows[i] of ``fed_tokens``.
+        fed_of = {} if fed_rows is None else {
+            id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)}
+        requests = [self._sample_request(s, fed_of.get(id(s))) for s in sampling]
+        pending = self.sampler.launch(out.logits, requests, greedy=out.greedy,
+                                      fed=self.runner.fed_tokens if fed_of else None)
         if pending.tokens is not None and self.run_ahead:
             self.runner.feed(pending.tokens)
         positions = [len(s.token_ids) for s in sampling]
@@ -403,8 +407,6 @@ class LLMEngine:
                 id(seq) not in rows
                 or seq.num_pending != 1
                 or length >= seq.max_len  # max_tokens or max_model_len
-                # Penalties read the output tokens; this step's input is still on the device.
-                or has_penalties(seq.params)
             ):
                 return None
             pages += self.block_manager.blocks_needed(seq, length)
@@ -456,10 +458,11 @@ class LLMEngine:
         eos = () if seq.params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys((*eos, *seq.params.stop_token_ids)))
 
-    def _sample_request(self, seq: Seq) -> SampleRequest:
+    def _sample_request(self, seq: Seq, fed_row: int | None = None) -> SampleRequest:
+        """``fed_row``: in a step launched ahead, where the sequence's unread last token is."""
         banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
         # Most rows have no adjustment: skip copying their output tokens every step.
-        adjust = (row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        adjust = (row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
                   if has_adjustments(seq.params) else None)
         return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust)
 

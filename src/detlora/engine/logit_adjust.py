@@ -16,8 +16,14 @@ on the logits, where the max is exact (no sum whose order could change a bit).
 
 Every step touches one row's own entries with elementwise fp32 ops (and an exact max), so a
 row's result does not depend on the other rows of the batch. ``adjust_row_ref`` is the torch
-reference of one row. A row needs its output tokens when it has penalties: the engine then
-does not run a step ahead (its input token is still on the device).
+reference of one row.
+
+Penalties read the row's output tokens. In a step launched ahead (the engine's run-ahead),
+the last of them is still on the device, where the sampler of the step before left it: the
+host then uploads the entries of the tokens it knows, and the device adds the last one (its
+count is the known count plus one, so a token the host already listed gets one entry, not
+two). Each entry is the same elementwise arithmetic on the same count either way, so the
+bits are those of a step whose tokens were all on the host.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class RowAdjust:
     presence: float = 0.0
     frequency: float = 0.0
     min_p_offset: float | None = None  # temperature * ln(min_p): the cut below the row's max
+    # With penalties in a step launched ahead: the row's last output token is not in
+    # seen_tokens / seen_counts but on the device, at this index of the previous step's tokens.
+    pending_src: int | None = None
 
 
 def min_p_offset(params: SamplingParams) -> float | None:
@@ -66,17 +75,27 @@ def has_adjustments(params: SamplingParams) -> bool:
 
 
 def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
-               output_ids: Sequence[int]) -> RowAdjust | None:
-    """The adjustments of a row that samples after ``output_ids``; None when it has none."""
+               output_ids: Sequence[int], pending_src: int | None = None) -> RowAdjust | None:
+    """The adjustments of a row that samples after ``output_ids``; None when it has none.
+
+    ``pending_src``: the last output token is not read yet (a negative placeholder); the
+    device finds it at this index of the previous step's tokens."""
     if not has_adjustments(params):
         return None
     penalties = has_penalties(params)
     offset = min_p_offset(params)
     seen: tuple[int, ...] = ()
     counts: tuple[int, ...] = ()
+    if not penalties:
+        pending_src = None  # only penalties read the output tokens
     if penalties:
+        if pending_src is not None:
+            if not output_ids or output_ids[-1] >= 0 or pending_src < 0:
+                raise RuntimeError("a pending output token must be the last one, unread, "
+                                   "at a valid index of the previous step's tokens")
+            output_ids = output_ids[:-1]
         if any(t < 0 for t in output_ids):
-            raise RuntimeError("penalties need every output token on the host")
+            raise RuntimeError("penalties need every output token but the last on the host")
         out = Counter(output_ids)
         seen = tuple(dict.fromkeys([*prompt_ids, *output_ids]))
         counts = tuple(out.get(t, 0) for t in seen)
@@ -86,7 +105,7 @@ def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
         bias_tokens=tuple(bias), bias_values=tuple(bias.values()),
         seen_tokens=seen, seen_counts=counts, repetition=params.repetition_penalty,
         presence=params.presence_penalty, frequency=params.frequency_penalty,
-        min_p_offset=offset,
+        min_p_offset=offset, pending_src=pending_src,
     )
 
 
@@ -108,6 +127,20 @@ class AdjustTensors:
     frequency: torch.Tensor | None
     min_p_rows: torch.Tensor | None
     min_p_offsets: torch.Tensor | None  # fp32, one per min_p row
+    pending_rows: torch.Tensor | None  # rows whose last output token is on the device
+    pending_src: torch.Tensor | None  # its index in ``fed``
+    pending_repetition: torch.Tensor | None  # fp32, one per pending row
+    pending_presence: torch.Tensor | None
+    pending_frequency: torch.Tensor | None
+    fed: torch.Tensor | None = None  # the previous step's tokens (int64 or exact float64)
+
+
+def _penalize(v: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+              presence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties of seen entries (values ``v``)."""
+    v = torch.where(v > 0, v / repetition, v * repetition)
+    v = v - frequency * counts
+    return v - presence * (counts > 0).to(v.dtype)
 
 
 def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
@@ -118,12 +151,30 @@ def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
         x[t.allowed_rows, t.allowed_cols] = keep
     if t.bias_rows is not None:
         x[t.bias_rows, t.bias_cols] = x[t.bias_rows, t.bias_cols] + t.bias_values
+    pending = None
+    if t.pending_rows is not None:
+        if t.fed is None:
+            raise ValueError("pending output tokens need the previous step's tokens (fed)")
+        # Read before the host's entries are written: a listed token is penalized once,
+        # below, with its full count.
+        token = t.fed[t.pending_src].long()
+        before = x[t.pending_rows, token]
+        count = torch.ones_like(before)
+        if t.seen_rows is not None:
+            last = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
+            last[t.pending_rows] = token
+            listed = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+            # At most one entry per row names the token: the sum is that entry's count.
+            listed.index_put_((t.seen_rows,), t.seen_counts * (t.seen_cols == last[t.seen_rows]),
+                              accumulate=True)
+            count = count + listed[t.pending_rows]
+        pending = token, _penalize(before, t.pending_repetition, t.pending_frequency,
+                                   t.pending_presence, count)
     if t.seen_rows is not None:
-        v = x[t.seen_rows, t.seen_cols]
-        v = torch.where(v > 0, v / t.repetition, v * t.repetition)
-        v = v - t.frequency * t.seen_counts
-        v = v - t.presence * (t.seen_counts > 0).to(v.dtype)
-        x[t.seen_rows, t.seen_cols] = v
+        x[t.seen_rows, t.seen_cols] = _penalize(x[t.seen_rows, t.seen_cols], t.repetition,
+                                                t.frequency, t.presence, t.seen_counts)
+    if pending is not None:
+        x[t.pending_rows, pending[0]] = pending[1]
     if t.min_p_rows is not None:
         rows = x[t.min_p_rows]
         cut = rows.amax(dim=-1, keepdim=True) + t.min_p_offsets[:, None]

@@ -140,6 +140,13 @@ class ModelRunner:
         else:
             self._feed[: tokens.numel()].copy_(tokens.reshape(-1))
 
+    @property
+    def fed_tokens(self) -> torch.Tensor:
+        """What ``feed`` left on the device (int64; row r: the previous step's row r). A step
+        launched ahead reads it in its forward and, for penalties, in its sampler: both are
+        queued before the next ``feed`` overwrites it."""
+        return self.graphs.feed if self.graphs is not None else self._feed
+
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on rows of ``StepLogits.prompt_hidden``: [rows, V], the model's dtype."""

@@ -150,15 +150,24 @@ def _fp32_bits(values: Sequence[float]) -> list[int]:
     return array.array("I", array.array("f", values).tobytes()).tolist()
 
 
+_FLOAT_FIELDS = ("bias_values", "seen_counts", "repetition", "presence", "frequency",
+                 "min_p_offsets", "pending_repetition", "pending_presence", "pending_frequency")
+
+
 def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[str, slice]:
     """Every adjusted row's entries, flat, into the upload: one section per field (floats as
     fp32 bits); ``_adjust_tensors`` reads them back on the device."""
     ints: dict[str, list[int]] = {k: [] for k in (
         "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols", "seen_rows",
-        "seen_cols", "min_p_rows")}
-    floats: dict[str, list[float]] = {k: [] for k in (
-        "bias_values", "seen_counts", "repetition", "presence", "frequency", "min_p_offsets")}
+        "seen_cols", "min_p_rows", "pending_rows", "pending_src")}
+    floats: dict[str, list[float]] = {k: [] for k in _FLOAT_FIELDS}
     for i, a in rows:
+        if a.pending_src is not None:
+            ints["pending_rows"].append(i)
+            ints["pending_src"].append(a.pending_src)
+            floats["pending_repetition"].append(a.repetition)
+            floats["pending_presence"].append(a.presence)
+            floats["pending_frequency"].append(a.frequency)
         if a.min_p_offset is not None:
             ints["min_p_rows"].append(i)
             floats["min_p_offsets"].append(a.min_p_offset)
@@ -181,17 +190,16 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
     return sections
 
 
-def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice]) -> AdjustTensors:
-    floats = {"bias_values", "seen_counts", "repetition", "presence", "frequency",
-              "min_p_offsets"}
-
+def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice],
+                    fed: torch.Tensor | None = None) -> AdjustTensors:
     def get(name: str) -> torch.Tensor | None:
         if name not in sections:
             return None
         t = dev[sections[name]]
-        return t.view(torch.float32)[::2] if name in floats else t  # low half: little-endian
+        return t.view(torch.float32)[::2] if name in _FLOAT_FIELDS else t  # low half first
 
-    return AdjustTensors(**{name: get(name) for name in AdjustTensors.__dataclass_fields__})
+    fields = [name for name in AdjustTensors.__dataclass_fields__ if name != "fed"]
+    return AdjustTensors(**{name: get(name) for name in fields}, fed=fed)
 
 
 class PendingSample:
@@ -322,19 +330,25 @@ class Sampler:
 
     def launch(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest],
-        greedy: torch.Tensor | None = None,
+        greedy: torch.Tensor | None = None, fed: torch.Tensor | None = None,
     ) -> PendingSample:
         """Queue the sampling of one token per row; ``result()`` reads them.
 
         On CUDA nothing here waits for the device: the results travel to pinned memory
         behind the queued work, so the host can prepare (and launch) the next step first.
         ``greedy`` (from ``greedy_head`` of these logits) answers a batch whose rows are all
-        greedy, without banned tokens or top logprobs, with no further kernel."""
+        greedy, without banned tokens or top logprobs, with no further kernel. ``fed``: the
+        previous step's tokens on the device, for rows whose penalties count a token not
+        read yet (``RowAdjust.pending_src``)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [N, vocab] with N = {len(requests)} rows, "
                 f"got {tuple(logits.shape)}"
             )
+        if fed is None and any(r.adjust is not None and r.adjust.pending_src is not None
+                               for r in requests):
+            raise ValueError("a row's penalties count a pending token: pass fed, the previous "
+                             "step's tokens")
         n, vocab = logits.shape
         if n == 0:
             return PendingSample.read(torch.empty(0, dtype=torch.int64), None, lambda v: [])
@@ -430,7 +444,7 @@ class Sampler:
         if adjust_secs is not None:
             # After the bans: min_p's cut is relative to the best token still allowed (every
             # other adjustment keeps -inf at -inf).
-            apply_adjustments(raw, _adjust_tensors(dev, adjust_secs))
+            apply_adjustments(raw, _adjust_tensors(dev, adjust_secs, fed))
         # fp32 rows for the greedy rows the head does not answer (no copy when already fp32);
         # a batch of sampled rows alone never reads them.
         x = None if use_head or not greedy_rows else raw.float()
