@@ -106,7 +106,8 @@ def test_a_pending_token_must_be_the_unread_last_one():
     assert adjust.pending_src == 4 and adjust.seen_tokens == (1, 2)
     assert row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
     with pytest.raises(ValueError, match="pass fed"):
-        Sampler(argmax_ref, log_softmax_ref).launch(torch.zeros(1, 8), [SampleRequest(params, 1, 3, adjust=adjust)])
+        Sampler(argmax_ref, log_softmax_ref).launch(
+            torch.zeros(1, 8), [SampleRequest(params, 1, 3, adjust=adjust)])
 
 
 def test_each_adjustment_does_what_it_says():

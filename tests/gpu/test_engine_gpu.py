@@ -328,9 +328,32 @@ def test_prefix_cache_keeps_the_bits(assets):
     assert _diff(pre, alone) == []
 
 
+def test_penalized_requests_run_ahead_with_the_step_by_step_bits(assets):
+    """Penalties count a row's last token, which a step launched ahead only has on the device
+    (the decode graphs' feed): the sampler adds it there, and the bits are step by step's."""
+    model_dir, loras, prompts = assets
+    n = 12
+    params = [SamplingParams(max_tokens=12 + k, logprobs=1, ignore_eos=True, seed=k,
+                             temperature=0.9 if k % 2 else 0.0,
+                             repetition_penalty=(1.0, 2.0, 0.5)[k % 3],
+                             frequency_penalty=(0.0, 1.5, -1.0)[k % 3],
+                             presence_penalty=(2.0, 0.0, -2.0)[k % 3]) for k in range(n)]
+    mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
+    llm = _llm(model_dir, determinism="batch_invariant")
+    engine = llm.engine
+    assert engine.run_ahead and engine.runner.uses_cuda_graphs
+    ahead = llm.generate(prompts[:n], params, mixed, use_tqdm=False)
+    launched_ahead = engine.num_steps_ahead
+    engine.run_ahead = False
+    step_by_step = llm.generate(prompts[:n], params, mixed, use_tqdm=False)
+    assert launched_ahead > 0
+    assert _diff(ahead, step_by_step) == []
+
+
 def test_logit_adjustments_are_batch_invariant(assets):
-    """Penalties (no step run ahead), logit bias and allowed tokens on bf16 logits with CUDA
-    graphs: alone and in a reversed batch beside plain rows, the same bits."""
+    """Penalties (run ahead: the unread last token counted on the device), logit bias and
+    allowed tokens on bf16 logits with CUDA graphs: alone and in a reversed batch beside plain
+    rows, the same bits."""
     model_dir, loras, prompts = assets
     n = 9
     params = [SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1, seed=k,
