@@ -66,24 +66,32 @@ def test_running_ahead_gives_the_same_outputs_and_steps(llama_dir, case, kw):
 
 
 def _penalized(k: int) -> SamplingParams:
-    # Strong penalties, so a token left out of a row's counts changes what it samples next.
-    common = dict(max_tokens=8 + k, logprobs=1, stop_token_ids=STOPS, min_tokens=2,
-                  repetition_penalty=(1.0, 2.0, 0.5)[k % 3],
-                  frequency_penalty=(0.0, 1.5, -1.0)[k % 3],
-                  presence_penalty=(2.0, 0.0, -2.0)[k % 3])
+    # Strong penalties, so a token left out of a row's counts changes what it samples next;
+    # every fourth row has none (a logit bias instead), beside them in the same steps.
+    common = dict(max_tokens=8 + k, logprobs=1, stop_token_ids=STOPS, min_tokens=2)
+    if k % 4 == 3:
+        common["logit_bias"] = {20 + k: 3.0}
+    else:
+        common |= dict(repetition_penalty=(1.0, 2.0, 0.5)[k % 3],
+                       frequency_penalty=(0.0, 1.5, -1.0)[k % 3],
+                       presence_penalty=(2.0, 0.0, -2.0)[k % 3])
     if k % 2 == 0:
         return SamplingParams(**common)
     return SamplingParams(**common, temperature=0.9, top_p=0.9, seed=200 + k)
 
 
-def test_penalized_requests_run_ahead_with_the_same_outputs(llama_dir, case):
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 14, "block_size": 4}],
+                         ids=["plenty_of_pages", "preemption"])
+def test_penalized_requests_run_ahead_with_the_same_outputs(llama_dir, case, kw):
     # Penalties count the row's last token, which a step launched ahead has only on the
     # device: the sampler adds it there (logit_adjust), so these requests run ahead too.
     prompts, _, mixed = case
     case = prompts, [_penalized(k) for k in range(N)], mixed
-    base_engine, base = _run(llama_dir, case, False)
-    engine, outs = _run(llama_dir, case, True)
+    base_engine, base = _run(llama_dir, case, False, **kw)
+    engine, outs = _run(llama_dir, case, True, **kw)
     bad = [k for k, (a, b) in enumerate(zip(outs, base, strict=True)) if not same_outputs(a, b)]
     assert not bad, f"outputs {bad} differ when running ahead"
-    assert engine.num_steps_ahead > engine.num_steps // 2
+    assert engine.num_steps_ahead > (0 if kw else engine.num_steps // 2)
     assert base_engine.num_steps <= engine.num_steps
+    if kw:
+        assert engine.scheduler.num_preemptions > 0
