@@ -99,3 +99,59 @@ def test_unread_constexprs_do_not_follow_the_batch():
     split = [_decode_call(3, n, kv_ctas=2, blocks=300) for n in (1, 2)]  # 3 KV segments
     assert split[0]["SPLIT"] is True
     assert split[0]["MERGE_ROWS"] != split[1]["MERGE_ROWS"]
+
+
+# Run without the interpreter (sm90_compile's subprocess): Triton's own launcher binder, for an
+# sm_90 target, computes each launch's specialization from the real arguments; a batch-shape
+# or graph-versus-eager difference must not show in it.
+_BINDER_SCRIPT = r"""
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from detlora.ops import paged_attention as pa
+
+pa.check_same_device = lambda **tensors: None  # CPU tensors: nothing is launched here
+kernel = pa._paged_attention_kernel
+binder = create_function_from_signature(kernel.signature, kernel.params,
+                                        make_backend(GPUTarget("cuda", 90, 32)))
+
+class Record:
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+        return launch
+
+def key(num_seqs, blocks, views):
+    hq, hk, d, page = 6, 2, 16, 4
+    q = torch.zeros(num_seqs, hq, d, dtype=torch.bfloat16)
+    k_cache = torch.zeros(400, page, hk, d, dtype=torch.bfloat16)  # an engine's: fixed
+    tables = torch.zeros(num_seqs, blocks, dtype=torch.int32)
+    lens = torch.full((num_seqs,), 9, dtype=torch.int32)
+    qsl = torch.arange(num_seqs + 1, dtype=torch.int32)
+    if views:  # a graph's static buffers: views one int32 in, not 16-byte aligned
+        buf = torch.zeros(2 * num_seqs + 4, dtype=torch.int32)
+        lens = buf[1:1 + num_seqs].copy_(lens)
+        qsl = buf[num_seqs + 2:2 * num_seqs + 3].copy_(qsl)
+    rec = Record()
+    pa._paged_attention_kernel = rec
+    try:
+        pa.paged_attention(q, k_cache, k_cache.clone(), tables, lens, qsl, 0.25,
+                           max_query_len=1, kv_ctas=1)
+    finally:
+        pa._paged_attention_kernel = kernel
+    _, spec, _ = binder(*rec.args, **rec.kwargs)
+    return [str(s) for s in spec]
+
+cases = json.loads(sys.argv[1])
+print(json.dumps([key(*c) for c in cases]))
+"""
+
+
+def test_graph_and_eager_launches_of_any_batch_share_a_specialization(sm90_compile):
+    # (sequences, block-table width, index views): 1, 16 and 5 sequences; widths 16 and 17.
+    cases = [(1, 16, False), (16, 17, True), (5, 12, True), (3, 16, False)]
+    keys = sm90_compile(_BINDER_SCRIPT, cases)
+    assert len(keys) == len(cases)
+    assert all(k == keys[0] for k in keys[1:])
