@@ -290,7 +290,7 @@ def _preemption(model_dir: Path, mode: str, w: _Workload, ref: list[Any],
     return rows
 
 
-def _timed(fn: Callable[[], Any], trials: int) -> float:
+def _trial_times(fn: Callable[[], Any], trials: int) -> list[float]:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(trials):
@@ -299,7 +299,11 @@ def _timed(fn: Callable[[], Any], trials: int) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _timed(fn: Callable[[], Any], trials: int) -> float:
+    return statistics.median(_trial_times(fn, trials))
 
 
 def _throughput(llm: Any, mode: str, w: _Workload,
@@ -309,11 +313,15 @@ def _throughput(llm: Any, mode: str, w: _Workload,
     for b in plan.throughput_batches:
         idx = list(range(b))
         w.generate(llm, idx)  # warm-up: kernels for this batch's shapes, graphs, adapters
-        t1 = _timed(lambda idx=idx: w.generate(llm, idx, one_token=True), plan.trials)
-        tn = _timed(lambda idx=idx: w.generate(llm, idx), plan.trials)
+        ones = _trial_times(lambda idx=idx: w.generate(llm, idx, one_token=True), plan.trials)
+        fulls = _trial_times(lambda idx=idx: w.generate(llm, idx), plan.trials)
+        t1, tn = statistics.median(ones), statistics.median(fulls)
         row = {"mode": mode, "batch": b, "output_tok_per_s": b * plan.output_len / tn,
                "tpot_ms": 1e3 * (tn - t1) / (plan.output_len - 1),
-               "prefill_tok_per_s": b * plan.prompt_len / t1}
+               "prefill_tok_per_s": b * plan.prompt_len / t1,
+               # every trial, to judge the spread of the medians above
+               "trials_one_token_s": [round(t, 5) for t in ones],
+               "trials_s": [round(t, 5) for t in fulls]}
         rows.append(row)
         log(f"  {mode:16s} batch {b:4d}: {row['output_tok_per_s']:9.1f} tok/s, "
             f"TPOT {row['tpot_ms']:.2f} ms, prefill {row['prefill_tok_per_s']:.0f} tok/s")
