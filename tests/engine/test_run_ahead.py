@@ -95,3 +95,32 @@ def test_penalized_requests_run_ahead_with_the_same_outputs(llama_dir, case, kw)
     assert base_engine.num_steps <= engine.num_steps
     if kw:
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_requests_queued_for_a_slot_do_not_stop_running_ahead(llama_dir, case):
+    # Three sequence slots for eight requests: while every slot is taken the scheduler admits
+    # nobody, so the next step is surely a decode of every running sequence. A slot freed by
+    # a stop the host has not read is filled one step later than step by step; the CPU path
+    # is batch-invariant, so the outputs stay the same.
+    base_engine, base = _run(llama_dir, case, False, max_num_seqs=3)
+    prompts, params, mixed = case
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
+              max_num_seqs=3)
+    engine = llm.engine
+    engine.run_ahead = True
+    launch_ahead, queued = engine._launch_ahead, []
+
+    def counting(current):
+        waiting = len(engine.scheduler.waiting)
+        ahead = launch_ahead(current)
+        if ahead is not None and waiting:
+            queued.append(waiting)
+        return ahead
+
+    engine._launch_ahead = counting
+    outs = llm.generate(prompts, params, mixed, use_tqdm=False)
+    bad = [k for k, (a, b) in enumerate(zip(outs, base, strict=True)) if not same_outputs(a, b)]
+    assert not bad, f"outputs {bad} differ when running ahead"
+    assert len(queued) > 5  # steps launched ahead while requests queued
+    assert not engine.has_unfinished() and engine._inflight is None
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks

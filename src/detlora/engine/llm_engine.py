@@ -329,9 +329,10 @@ class LLMEngine:
         With decode graphs (``run_ahead``) the engine runs one step ahead: while a step is in
         flight, the next one (every running sequence decodes again) is scheduled and launched with
         its input tokens left on the device by the sampler, and only then is the first one
-        read. The host's work then hides behind the GPU's. A row computed ahead for a
-        sequence that the read step finished (a stop token) is dropped. The steps and their
-        batches are the same as without running ahead, so are the bits.
+        read. The host's work then hides behind the GPU's, also while requests queue for a
+        sequence slot. A row computed ahead for a sequence that the read step finished (a
+        stop token) is dropped, and a queued request takes the freed slot one step later;
+        under batch_invariant the bits do not depend on either (``_launch_ahead``).
         """
         if self._inflight is None:
             sched = self.scheduler.schedule()
@@ -389,12 +390,15 @@ class LLMEngine:
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when it is sure to be a decode
-        step of every running sequence: nothing waits, every running sequence sampled in
-        ``current`` and is not finished by length there, and the KV pages suffice."""
+        step of every running sequence: nothing waits, or every sequence slot is taken (so
+        the scheduler admits nobody); every running sequence sampled in ``current`` and is
+        not finished by length there; and the KV pages suffice. A slot that ``current``
+        frees (a stop token the host has not read) is filled one step later than step by
+        step would: batches then differ, never a batch_invariant row's bits."""
         running = self.scheduler.running
         if (
             not self.run_ahead
-            or self.scheduler.waiting
+            or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs)
             or not running
             or len(running) > self.config.max_num_batched_tokens
         ):
