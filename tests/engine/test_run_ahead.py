@@ -102,7 +102,7 @@ def test_requests_queued_for_a_slot_do_not_stop_running_ahead(llama_dir, case):
     # nobody, so the next step is surely a decode of every running sequence. A slot freed by
     # a stop the host has not read is filled one step later than step by step; the CPU path
     # is batch-invariant, so the outputs stay the same.
-    base_engine, base = _run(llama_dir, case, False, max_num_seqs=3)
+    _, base = _run(llama_dir, case, False, max_num_seqs=3)
     prompts, params, mixed = case
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
               max_num_seqs=3)

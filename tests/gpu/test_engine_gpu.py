@@ -350,6 +350,27 @@ def test_penalized_requests_run_ahead_with_the_step_by_step_bits(assets):
     assert _diff(ahead, step_by_step) == []
 
 
+def test_runs_ahead_while_requests_queue_for_a_slot(assets):
+    """Four sequence slots for sixteen requests that stop at varied steps: with every slot
+    taken, steps still run ahead (a freed slot is filled a step later), with the bits of
+    step by step under batch_invariant."""
+    model_dir, loras, prompts = assets
+    n = len(prompts)
+    stops = tuple(range(2, 2 + VOCAB // 12))
+    params = [SamplingParams(max_tokens=6 + 2 * k, logprobs=0, stop_token_ids=stops,
+                             **({} if k % 2 == 0 else dict(temperature=0.9, seed=k)))
+              for k in range(n)]
+    mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
+    llm = _llm(model_dir, determinism="batch_invariant", max_num_seqs=4)
+    engine = llm.engine
+    ahead = llm.generate(prompts, params, mixed, use_tqdm=False)
+    launched_ahead = engine.num_steps_ahead
+    engine.run_ahead = False
+    step_by_step = llm.generate(prompts, params, mixed, use_tqdm=False)
+    assert launched_ahead > 0
+    assert _diff(ahead, step_by_step) == []
+
+
 def test_logit_adjustments_are_batch_invariant(assets):
     """Penalties (run ahead: the unread last token counted on the device), logit bias and
     allowed tokens on bf16 logits with CUDA graphs: alone and in a reversed batch beside plain
