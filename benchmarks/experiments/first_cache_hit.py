@@ -4,7 +4,7 @@
 Runs bench_prefix_cache's guardrail workload (Llama-3.2-3B shape, 256 requests sharing a
 1024-token policy prompt, 64 tokens each of their own, 4-token verdicts) with the cache on, at
 ``batch_invariant``: a warm-up batch, then three batches with fresh suffixes. For each batch it
-records the wall time, every engine step's wall time and scheduled token count, and every
+records the wall time, every engine step's wall time, and every
 Triton compilation (kernel, seconds and the specialized signature, from Triton's JIT hooks)
 that happened inside it, and those of the engine's start-up.
 

@@ -34,11 +34,14 @@ def case(llama_dir, llama_adapters):
     return prompts, params, mixed
 
 
-def _run(llama_dir, case, run_ahead: bool, **kw):
+def _run(llama_dir, case, run_ahead: bool, prepare=None, **kw):
+    """``prepare(engine)`` runs before generating (to watch the engine)."""
     prompts, params, mixed = case
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
               **kw)
     llm.engine.run_ahead = run_ahead
+    if prepare is not None:
+        prepare(llm.engine)
     outs = llm.generate(prompts, params, mixed, use_tqdm=False)
     return llm.engine, outs
 
@@ -103,22 +106,21 @@ def test_requests_queued_for_a_slot_do_not_stop_running_ahead(llama_dir, case):
     # a stop the host has not read is filled one step later than step by step; the CPU path
     # is batch-invariant, so the outputs stay the same.
     _, base = _run(llama_dir, case, False, max_num_seqs=3)
-    prompts, params, mixed = case
-    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
-              max_num_seqs=3)
-    engine = llm.engine
-    engine.run_ahead = True
-    launch_ahead, queued = engine._launch_ahead, []
+    queued = []
 
-    def counting(current):
-        waiting = len(engine.scheduler.waiting)
-        ahead = launch_ahead(current)
-        if ahead is not None and waiting:
-            queued.append(waiting)
-        return ahead
+    def count_queued(engine):
+        launch_ahead = engine._launch_ahead
 
-    engine._launch_ahead = counting
-    outs = llm.generate(prompts, params, mixed, use_tqdm=False)
+        def counting(current):
+            waiting = len(engine.scheduler.waiting)
+            ahead = launch_ahead(current)
+            if ahead is not None and waiting:
+                queued.append(waiting)
+            return ahead
+
+        engine._launch_ahead = counting
+
+    engine, outs = _run(llama_dir, case, True, count_queued, max_num_seqs=3)
     bad = [k for k, (a, b) in enumerate(zip(outs, base, strict=True)) if not same_outputs(a, b)]
     assert not bad, f"outputs {bad} differ when running ahead"
     assert len(queued) > 5  # steps launched ahead while requests queued
