@@ -322,6 +322,7 @@ def test_prefix_cache_keeps_the_bits(assets):
     assert _diff(again, turn_alone) == []
     small = _llm(model_dir, determinism="batch_invariant", enable_prefix_caching=True,
                  num_kv_blocks=40, block_size=16, max_num_batched_tokens=64)
+    assert small.engine.runner.uses_cuda_graphs, small.engine.runner.graph_error
     pre = small.generate(asks, params, mixed, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.block_manager.num_hit_tokens > 0

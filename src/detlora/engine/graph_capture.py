@@ -8,6 +8,7 @@ step kernels are a few microseconds each, and PDL hides the gaps between them.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -39,4 +40,20 @@ def capture_bucket(
     return graph, outputs
 
 
-__all__ = ["Forward", "capture_bucket"]
+def describe_capture_failure(error: BaseException) -> str:
+    """``error`` and the errors it was raised while handling, the first one first, with the
+    detlora line that made the first one. A capture that an illegal call invalidated fails
+    again when it ends (``operation failed due to a previous error during capture``): only the
+    first error names the call."""
+    chain = [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None \
+            and cause not in chain:
+        chain.append(cause)
+    first = chain[-1]
+    ours = [f for f in traceback.extract_tb(first.__traceback__)
+            if "detlora" in f.filename.replace("\\", "/").split("/")]
+    where = f" (at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""
+    return " -> ".join(f"{type(e).__name__}: {e}" for e in reversed(chain)) + where
+
+
+__all__ = ["Forward", "capture_bucket", "describe_capture_failure"]

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from detlora.engine.cuda_graphs import DecodeGraphs
+from detlora.engine.graph_capture import describe_capture_failure
 from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
@@ -79,7 +80,7 @@ class ModelRunner:
                 if step_graphs is not None:
                     step_graphs.capture(graphs.pool)
         except Exception as e:  # a kernel that syncs the host cannot be captured
-            self.graph_error = f"{type(e).__name__}: {e}"
+            self.graph_error = describe_capture_failure(e)
             warnings.warn(
                 f"CUDA-graph capture failed, steps run eagerly ({self.graph_error})",
                 RuntimeWarning, stacklevel=3,
