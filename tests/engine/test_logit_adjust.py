@@ -103,7 +103,7 @@ def test_a_pending_token_must_be_the_unread_last_one():
     with pytest.raises(RuntimeError, match="on the host"):
         row_adjust(params, [1], [-1, 3])  # an unread token that is not declared pending
     adjust = row_adjust(params, [1], [2, -1], pending_src=4)
-    assert adjust.pending_src == 4 and adjust.seen_tokens == (1, 2)
+    assert adjust.pending_src == 4 and (adjust.prompt_tokens, adjust.output_tokens) == ((1,), (2,))
     assert row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
     with pytest.raises(ValueError, match="pass fed"):
         Sampler(argmax_ref, log_softmax_ref).launch(

@@ -18,12 +18,13 @@ Every step touches one row's own entries with elementwise fp32 ops (and an exact
 row's result does not depend on the other rows of the batch. ``adjust_row_ref`` is the torch
 reference of one row.
 
-Penalties read the row's output tokens. In a step launched ahead (the engine's run-ahead),
-the last of them is still on the device, where the sampler of the step before left it: the
-host then uploads the entries of the tokens it knows, and the device adds the last one (its
-count is the known count plus one, so a token the host already listed gets one entry, not
-two). Each entry is the same elementwise arithmetic on the same count either way, so the
-bits are those of a step whose tokens were all on the host.
+Penalties are computed on the device from the rows' raw token ids: the host uploads each
+penalized row's prompt and output ids as they are (no deduplication or counting in Python:
+that cost ~4 ms a step at batch 64), the device counts the outputs into a dense [rows, V]
+table (sums of ones: exact in any order) and penalizes the seen columns elementwise, with the
+same arithmetic per element as the reference. In a step launched ahead (the engine's
+run-ahead) the row's last output token is still on the device, where the sampler of the step
+before left it: the device adds it to the count table from there.
 """
 
 from __future__ import annotations
@@ -45,15 +46,20 @@ class RowAdjust:
     allowed: tuple[int, ...] = ()
     bias_tokens: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
-    seen_tokens: tuple[int, ...] = ()  # prompt and output tokens: the penalised entries
-    seen_counts: tuple[int, ...] = ()  # occurrences of each in the output
+    # With penalties: the row's prompt ids and the output ids the host has read, as they are.
+    prompt_tokens: tuple[int, ...] = ()
+    output_tokens: tuple[int, ...] = ()
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     min_p_offset: float | None = None  # temperature * ln(min_p): the cut below the row's max
     # With penalties in a step launched ahead: the row's last output token is not in
-    # seen_tokens / seen_counts but on the device, at this index of the previous step's tokens.
+    # output_tokens but on the device, at this index of the previous step's tokens.
     pending_src: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition != 1.0 or self.presence != 0.0 or self.frequency != 0.0
 
 
 def min_p_offset(params: SamplingParams) -> float | None:
@@ -84,8 +90,8 @@ def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
         return None
     penalties = has_penalties(params)
     offset = min_p_offset(params)
-    seen: tuple[int, ...] = ()
-    counts: tuple[int, ...] = ()
+    prompt: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
     if not penalties:
         pending_src = None  # only penalties read the output tokens
     if penalties:
@@ -94,16 +100,14 @@ def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
                 raise RuntimeError("a pending output token must be the last one, unread, "
                                    "at a valid index of the previous step's tokens")
             output_ids = output_ids[:-1]
-        if any(t < 0 for t in output_ids):
+        if output_ids and min(output_ids) < 0:
             raise RuntimeError("penalties need every output token but the last on the host")
-        out = Counter(output_ids)
-        seen = tuple(dict.fromkeys([*prompt_ids, *output_ids]))
-        counts = tuple(out.get(t, 0) for t in seen)
+        prompt, outputs = tuple(prompt_ids), tuple(output_ids)
     bias = params.logit_bias or {}
     return RowAdjust(
         allowed=params.allowed_token_ids or (),
         bias_tokens=tuple(bias), bias_values=tuple(bias.values()),
-        seen_tokens=seen, seen_counts=counts, repetition=params.repetition_penalty,
+        prompt_tokens=prompt, output_tokens=outputs, repetition=params.repetition_penalty,
         presence=params.presence_penalty, frequency=params.frequency_penalty,
         min_p_offset=offset, pending_src=pending_src,
     )
@@ -119,19 +123,18 @@ class AdjustTensors:
     bias_rows: torch.Tensor | None
     bias_cols: torch.Tensor | None
     bias_values: torch.Tensor | None  # fp32
-    seen_rows: torch.Tensor | None
-    seen_cols: torch.Tensor | None
-    seen_counts: torch.Tensor | None  # fp32
-    repetition: torch.Tensor | None  # fp32, one per seen entry
+    penalized_rows: torch.Tensor | None  # [R] the rows with penalties
+    prompt_lens: torch.Tensor | None  # [R]
+    prompt_tokens: torch.Tensor | None  # every penalized row's prompt ids, in row order
+    output_lens: torch.Tensor | None  # [R] the output ids the host has read
+    output_tokens: torch.Tensor | None  # (None when no row has one yet)
+    repetition: torch.Tensor | None  # fp32 [R]
     presence: torch.Tensor | None
     frequency: torch.Tensor | None
     min_p_rows: torch.Tensor | None
     min_p_offsets: torch.Tensor | None  # fp32, one per min_p row
-    pending_rows: torch.Tensor | None  # rows whose last output token is on the device
+    pending_rows: torch.Tensor | None  # which penalized rows (0..R-1) have a token on the device
     pending_src: torch.Tensor | None  # its index in ``fed``
-    pending_repetition: torch.Tensor | None  # fp32, one per pending row
-    pending_presence: torch.Tensor | None
-    pending_frequency: torch.Tensor | None
     fed: torch.Tensor | None = None  # the previous step's tokens (int64 or exact float64)
 
 
@@ -143,6 +146,32 @@ def _penalize(v: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor
     return v - presence * (counts > 0).to(v.dtype)
 
 
+def _rows_of(lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Row 0..R-1 of every flat entry, from the rows' lengths (no host sync: total is known)."""
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens,
+                                   output_size=total)
+
+
+def _apply_penalties(x: torch.Tensor, t: AdjustTensors) -> None:
+    sub = x[t.penalized_rows]  # [R, V]
+    counts = torch.zeros_like(sub)
+    if t.output_tokens is not None:
+        rows = _rows_of(t.output_lens, t.output_tokens.numel())
+        counts.index_put_((rows, t.output_tokens), torch.ones_like(rows, dtype=sub.dtype),
+                          accumulate=True)  # sums of ones: exact in any order
+    if t.pending_rows is not None:
+        if t.fed is None:
+            raise ValueError("pending output tokens need the previous step's tokens (fed)")
+        token = t.fed[t.pending_src].long()
+        counts.index_put_((t.pending_rows, token),
+                          torch.ones_like(token, dtype=sub.dtype), accumulate=True)
+    seen = counts > 0
+    seen[_rows_of(t.prompt_lens, t.prompt_tokens.numel()), t.prompt_tokens] = True
+    penalized = _penalize(sub, t.repetition[:, None], t.frequency[:, None],
+                          t.presence[:, None], counts)
+    x[t.penalized_rows] = torch.where(seen, penalized, sub)
+
+
 def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
     """Adjust the fp32 logits ``x`` [N, V] in place (Semantics above)."""
     if t.allowed_rows is not None:
@@ -151,30 +180,8 @@ def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
         x[t.allowed_rows, t.allowed_cols] = keep
     if t.bias_rows is not None:
         x[t.bias_rows, t.bias_cols] = x[t.bias_rows, t.bias_cols] + t.bias_values
-    pending = None
-    if t.pending_rows is not None:
-        if t.fed is None:
-            raise ValueError("pending output tokens need the previous step's tokens (fed)")
-        # Read before the host's entries are written: a listed token is penalized once,
-        # below, with its full count.
-        token = t.fed[t.pending_src].long()
-        before = x[t.pending_rows, token]
-        count = torch.ones_like(before)
-        if t.seen_rows is not None:
-            last = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
-            last[t.pending_rows] = token
-            listed = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
-            # At most one entry per row names the token: the sum is that entry's count.
-            listed.index_put_((t.seen_rows,), t.seen_counts * (t.seen_cols == last[t.seen_rows]),
-                              accumulate=True)
-            count = count + listed[t.pending_rows]
-        pending = token, _penalize(before, t.pending_repetition, t.pending_frequency,
-                                   t.pending_presence, count)
-    if t.seen_rows is not None:
-        x[t.seen_rows, t.seen_cols] = _penalize(x[t.seen_rows, t.seen_cols], t.repetition,
-                                                t.frequency, t.presence, t.seen_counts)
-    if pending is not None:
-        x[t.pending_rows, pending[0]] = pending[1]
+    if t.penalized_rows is not None:
+        _apply_penalties(x, t)
     if t.min_p_rows is not None:
         rows = x[t.min_p_rows]
         cut = rows.amax(dim=-1, keepdim=True) + t.min_p_offsets[:, None]

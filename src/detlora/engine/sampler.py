@@ -150,24 +150,30 @@ def _fp32_bits(values: Sequence[float]) -> list[int]:
     return array.array("I", array.array("f", values).tobytes()).tolist()
 
 
-_FLOAT_FIELDS = ("bias_values", "seen_counts", "repetition", "presence", "frequency",
-                 "min_p_offsets", "pending_repetition", "pending_presence", "pending_frequency")
+_FLOAT_FIELDS = ("bias_values", "repetition", "presence", "frequency", "min_p_offsets")
 
 
 def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[str, slice]:
     """Every adjusted row's entries, flat, into the upload: one section per field (floats as
     fp32 bits); ``_adjust_tensors`` reads them back on the device."""
     ints: dict[str, list[int]] = {k: [] for k in (
-        "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols", "seen_rows",
-        "seen_cols", "min_p_rows", "pending_rows", "pending_src")}
+        "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols",
+        "penalized_rows", "prompt_lens", "prompt_tokens", "output_lens", "output_tokens",
+        "min_p_rows", "pending_rows", "pending_src")}
     floats: dict[str, list[float]] = {k: [] for k in _FLOAT_FIELDS}
     for i, a in rows:
-        if a.pending_src is not None:
-            ints["pending_rows"].append(i)
-            ints["pending_src"].append(a.pending_src)
-            floats["pending_repetition"].append(a.repetition)
-            floats["pending_presence"].append(a.presence)
-            floats["pending_frequency"].append(a.frequency)
+        if a.penalized:
+            if a.pending_src is not None:
+                ints["pending_rows"].append(len(ints["penalized_rows"]))
+                ints["pending_src"].append(a.pending_src)
+            ints["penalized_rows"].append(i)
+            ints["prompt_lens"].append(len(a.prompt_tokens))
+            ints["prompt_tokens"] += a.prompt_tokens
+            ints["output_lens"].append(len(a.output_tokens))
+            ints["output_tokens"] += a.output_tokens
+            floats["repetition"].append(a.repetition)
+            floats["presence"].append(a.presence)
+            floats["frequency"].append(a.frequency)
         if a.min_p_offset is not None:
             ints["min_p_rows"].append(i)
             floats["min_p_offsets"].append(a.min_p_offset)
@@ -178,13 +184,6 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
         ints["bias_rows"] += [i] * len(a.bias_tokens)
         ints["bias_cols"] += a.bias_tokens
         floats["bias_values"] += a.bias_values
-        k = len(a.seen_tokens)
-        ints["seen_rows"] += [i] * k
-        ints["seen_cols"] += a.seen_tokens
-        floats["seen_counts"] += a.seen_counts
-        floats["repetition"] += [a.repetition] * k
-        floats["presence"] += [a.presence] * k
-        floats["frequency"] += [a.frequency] * k
     sections = {k: up.add(v) for k, v in ints.items() if v}
     sections |= {k: up.add(_fp32_bits(v)) for k, v in floats.items() if v}
     return sections
