@@ -48,3 +48,65 @@ def test_the_frame_named_is_detlora_s_where_the_first_error_arose() -> None:
     assert text.startswith("ValueError: temperature must be >= 0, got -1.0 -> "
                            "RuntimeError: capture ended (at ")
     assert "config.py:" in text and text.endswith("in __post_init__)")
+
+
+def test_gc_paused_collects_first_then_keeps_the_gc_off() -> None:
+    import gc
+    import weakref
+
+    from detlora.engine.graph_capture import gc_paused
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the GC frees it
+    dead = weakref.ref(node)
+    del node
+    assert gc.isenabled() and dead() is not None
+    with gc_paused():
+        assert dead() is None  # collected on entry, before any capture starts
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    try:
+        with gc_paused():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()  # restored on errors
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a GC its caller had off stays off
+    finally:
+        gc.enable()
+
+
+def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
+    import gc
+
+    import torch
+
+    import detlora.engine.model_runner as mr
+
+    seen = []
+
+    class FakeGraphs:
+        feed = None
+        pool = None
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def capture(self, *args) -> None:
+            seen.append(gc.isenabled())
+
+    monkeypatch.setattr(mr, "DecodeGraphs", FakeGraphs)
+    monkeypatch.setattr(mr, "StepGraphs", FakeGraphs)
+    runner = object.__new__(mr.ModelRunner)
+    runner.device, runner.max_model_len, runner.block_size = torch.device("cpu"), 64, 16
+    runner.num_adapters, runner.graph_error = None, None
+    runner._capture(max_num_seqs=4, max_num_batched_tokens=64)
+    assert seen == [False, False] and gc.isenabled()
+    assert runner.graphs is not None and runner.step_graphs is not None

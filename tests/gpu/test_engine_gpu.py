@@ -329,6 +329,41 @@ def test_prefix_cache_keeps_the_bits(assets):
     assert _diff(pre, alone) == []
 
 
+def test_capture_survives_dead_cycles_that_hold_pinned_memory(assets, monkeypatch):
+    """Dead reference cycles holding pinned host buffers (used by async copies) exist when an
+    engine starts; a GC collection mid-capture (forced here, after every captured forward)
+    must find nothing to free there, or the capture is invalidated (flaky before gc_paused)."""
+    import gc
+
+    import detlora.engine.cuda_graphs as cg
+    import detlora.engine.step_graphs as sg
+
+    model_dir, _, _ = assets
+    real = cg.capture_bucket
+
+    def capture_with_gc(forward, batch, **kw):
+        def forward_then_gc(b):
+            out = forward(b)
+            gc.collect()  # as an automatic collection might, inside the capture
+            return out
+        return real(forward_then_gc, batch, **kw)
+
+    monkeypatch.setattr(cg, "capture_bucket", capture_with_gc)
+    monkeypatch.setattr(sg, "capture_bucket", capture_with_gc)
+    gc.disable()  # the cycles below survive until the engine captures (no automatic GC)
+    try:
+        sink = torch.empty(1 << 16, device="cuda")
+        for _ in range(8):
+            cycle = [torch.ones(1 << 16, pin_memory=True)]
+            sink.copy_(cycle[0], non_blocking=True)
+            cycle.append(cycle)
+        del cycle
+        llm = _llm(model_dir, determinism="batch_invariant", max_num_batched_tokens=64)
+    finally:
+        gc.enable()
+    assert llm.engine.runner.uses_cuda_graphs, llm.engine.runner.graph_error
+
+
 def test_penalized_requests_run_ahead_with_the_step_by_step_bits(assets):
     """Penalties count a row's last token, which a step launched ahead only has on the device
     (the decode graphs' feed): the sampler adds it there, and the bits are step by step's."""

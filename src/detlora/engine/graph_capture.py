@@ -8,8 +8,10 @@ step kernels are a few microseconds each, and PDL hides the gaps between them.
 
 from __future__ import annotations
 
+import gc
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -40,6 +42,22 @@ def capture_bucket(
     return graph, outputs
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect dead reference cycles now, then keep Python's cyclic GC off until the block
+    ends (restored on errors). torch's ``graph`` no longer collects before capturing (torch
+    2.11), so a collection that starts mid-capture could free a dead cycle's pinned host
+    buffer or event there, a CUDA call that invalidates the capture in ``global`` mode."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def describe_capture_failure(error: BaseException) -> str:
     """``error`` and the errors it was raised while handling, the first one first, with the
     detlora line that made the first one. A capture that an illegal call invalidated fails
@@ -56,4 +74,4 @@ def describe_capture_failure(error: BaseException) -> str:
     return " -> ".join(f"{type(e).__name__}: {e}" for e in reversed(chain)) + where
 
 
-__all__ = ["Forward", "capture_bucket", "describe_capture_failure"]
+__all__ = ["Forward", "capture_bucket", "describe_capture_failure", "gc_paused"]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from detlora.engine.cuda_graphs import DecodeGraphs
-from detlora.engine.graph_capture import describe_capture_failure
+from detlora.engine.graph_capture import describe_capture_failure, gc_paused
 from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.step_inputs import StepInputs
 from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
@@ -75,7 +75,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, num_adapters=self.num_adapters,
         ) if buckets else None
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), gc_paused():
                 graphs.capture()
                 if step_graphs is not None:
                     step_graphs.capture(graphs.pool)
