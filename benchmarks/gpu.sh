@@ -10,7 +10,8 @@
 #                     [matmul-regions] [l2-prefetch] [prefill-host]
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
-#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases] ...
+#                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases]
+#                     [penalized-profile] [capture-gc-probe] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +98,10 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           "$OUT/staggered_arrivals.json" || status=1 ;;
     run-ahead-cases) python3 benchmarks/experiments/run_ahead_cases.py "$OUT/run_ahead_cases.json" \
                        || status=1 ;;
+    penalized-profile) python3 benchmarks/experiments/penalized_profile.py \
+                         "$OUT/penalized_profile.json" || status=1 ;;
+    capture-gc-probe) python3 benchmarks/experiments/capture_gc_probe.py \
+                        "$OUT/capture_gc_probe.json" || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
                     || status=1 ;;
     # l2-prefetch measures an op that exists at 4618b7a..71e86be only (see the script)
