@@ -19,6 +19,8 @@ CASES = {
     "cuda_event_recorded": "del state['event']",
     "cycle_with_pinned_collected": "gc.collect()",
     "device_tensor_other_stream": "del state['dev']",
+    "captured_graph_destroyed": "del state['old_graph']",
+    "cycle_with_captured_graph_collected": "state.pop('graph_cycle_ref'); gc.collect()",
 }
 
 
@@ -39,6 +41,17 @@ def _case(name: str) -> dict:
     d.copy_(cyc[0], non_blocking=True)
     cyc.append(cyc)
     del cyc  # a dead cycle: only the GC frees it
+    # An earlier captured graph (as an earlier engine's decode graphs), and one in a cycle.
+    for key in ("old_graph", "graph_cycle_ref"):
+        old = torch.cuda.CUDAGraph()
+        src = torch.ones(1024, device="cuda")
+        with torch.cuda.graph(old):
+            dst = src * 3
+        holder = [old, dst]
+        holder.append(holder)
+        state[key] = old if key == "old_graph" else holder
+        del old, holder, dst
+    gc.collect()
     gc.disable()
     torch.cuda.synchronize()
     x = torch.zeros(1024, device="cuda")
