@@ -335,6 +335,7 @@ def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatc
     engine's capture (forced here: a collection after every captured forward). Freeing its
     CUDA graphs there must not invalidate the capture (flaky before gc_paused)."""
     import gc
+    import weakref
 
     import detlora.engine.cuda_graphs as cg
     import detlora.engine.step_graphs as sg
@@ -353,7 +354,9 @@ def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatc
     try:
         old = _llm(model_dir, determinism="batch_invariant", max_num_batched_tokens=64)
         assert old.engine.runner.uses_cuda_graphs, old.engine.runner.graph_error
+        old_graphs = weakref.ref(old.engine.runner.graphs)
         del old
+        assert old_graphs() is not None  # in a cycle: only the GC frees it
         monkeypatch.setattr(cg, "capture_bucket", capture_with_gc)
         monkeypatch.setattr(sg, "capture_bucket", capture_with_gc)
         llm = _llm(model_dir, determinism="batch_invariant", max_num_batched_tokens=64)
