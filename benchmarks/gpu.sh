@@ -11,7 +11,7 @@
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
 #                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases]
-#                     [penalized-profile] [capture-gc-probe] ...
+#                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,6 +100,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                        || status=1 ;;
     penalized-profile) python3 benchmarks/experiments/penalized_profile.py \
                          "$OUT/penalized_profile.json" || status=1 ;;
+    penalty-sync-probe) python3 benchmarks/experiments/penalty_sync_probe.py \
+                          "$OUT/penalty_sync_probe.json" || status=1 ;;
     capture-gc-probe) python3 benchmarks/experiments/capture_gc_probe.py \
                         "$OUT/capture_gc_probe.json" || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
