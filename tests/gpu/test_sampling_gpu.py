@@ -188,3 +188,35 @@ def test_sampler_on_bf16_logits_gives_the_fp32_paths_results(n):
     # A row with top logprobs: the full path.
     top = [SampleRequest(SamplingParams(max_tokens=4, logprobs=3), seed=5, position=9), *reqs[1:]]
     assert new(x, top, greedy=new.greedy_head(x)) == old(x32, top, greedy=old_head)
+
+
+def test_launching_adjusted_rows_queues_without_a_host_sync():
+    """Penalties (with a pending token, as in a step launched ahead), allowed tokens, logit
+    bias, min_p and banned tokens: ``launch`` only queues work. CUDA's sync debug mode turns
+    any synchronizing call into an error (a Python scalar through ``__setitem__`` used to be
+    one, which undid running ahead)."""
+    from detlora.engine.logit_adjust import row_adjust
+
+    x, _, _ = _inputs(8, seed=5)
+    fed = torch.randint(0, VOCAB, (8,), device=DEV)
+    reqs = []
+    for k in range(8):
+        params = SamplingParams(max_tokens=9, logprobs=0, repetition_penalty=1.1,
+                                frequency_penalty=0.2, presence_penalty=0.1,
+                                logit_bias={5: 1.0} if k % 2 else None,
+                                allowed_token_ids=list(range(100, 400)) if k == 3 else None,
+                                min_p=0.1 if k % 2 else 0.0,
+                                **(dict(temperature=0.8, seed=k) if k % 2 else {}))
+        adjust = row_adjust(params, [7, 8, 9], [11, 12, -1], pending_src=k)
+        reqs.append(SampleRequest(params, seed=k, position=6, banned_token_ids=(1, 2),
+                                  adjust=adjust))
+    sampler = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
+                      logits_dtype=torch.bfloat16)
+    sampler.launch(x, reqs, fed=fed).result()  # warm: staging buffers, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = sampler.launch(x, reqs, fed=fed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(pending.result()) == 8

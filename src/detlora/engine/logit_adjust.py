@@ -146,6 +146,13 @@ def _penalize(v: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor
     return v - presence * (counts > 0).to(v.dtype)
 
 
+def fill_at(x: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    """``x[index] = value`` for index tensors, queued without a host sync: through
+    ``__setitem__`` a Python scalar made the host wait for the GPU (20 ms behind a 20 ms
+    kernel, benchmarks/results/penalty_sync_probe.json), which undid running ahead."""
+    x.index_put_(index, torch.full((), value, dtype=x.dtype, device=x.device))
+
+
 def _rows_of(lens: torch.Tensor, total: int) -> torch.Tensor:
     """Row 0..R-1 of every flat entry, from the rows' lengths (no host sync: total is known)."""
     return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens,
@@ -166,7 +173,7 @@ def _apply_penalties(x: torch.Tensor, t: AdjustTensors) -> None:
         counts.index_put_((t.pending_rows, token),
                           torch.ones_like(token, dtype=sub.dtype), accumulate=True)
     seen = counts > 0
-    seen[_rows_of(t.prompt_lens, t.prompt_tokens.numel()), t.prompt_tokens] = True
+    fill_at(seen, (_rows_of(t.prompt_lens, t.prompt_tokens.numel()), t.prompt_tokens), True)
     penalized = _penalize(sub, t.repetition[:, None], t.frequency[:, None],
                           t.presence[:, None], counts)
     x[t.penalized_rows] = torch.where(seen, penalized, sub)
@@ -176,7 +183,7 @@ def apply_adjustments(x: torch.Tensor, t: AdjustTensors) -> None:
     """Adjust the fp32 logits ``x`` [N, V] in place (Semantics above)."""
     if t.allowed_rows is not None:
         keep = x[t.allowed_rows, t.allowed_cols]
-        x[t.masked_rows] = float("-inf")
+        fill_at(x, (t.masked_rows,), float("-inf"))
         x[t.allowed_rows, t.allowed_cols] = keep
     if t.bias_rows is not None:
         x[t.bias_rows, t.bias_cols] = x[t.bias_rows, t.bias_cols] + t.bias_values

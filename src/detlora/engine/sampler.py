@@ -40,7 +40,7 @@ import torch
 
 from detlora.config import SamplingParams
 from detlora.engine.copy_fence import PinnedStaging
-from detlora.engine.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments
+from detlora.engine.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments, fill_at
 from detlora.engine.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
@@ -439,7 +439,7 @@ class Sampler:
         if banned_rows:
             if raw is logits:
                 raw = logits.clone()  # the caller's logits stay untouched
-            raw[dev[banned_sec[0]], dev[banned_sec[1]]] = float("-inf")
+            fill_at(raw, (dev[banned_sec[0]], dev[banned_sec[1]]), float("-inf"))
         if adjust_secs is not None:
             # After the bans: min_p's cut is relative to the best token still allowed (every
             # other adjustment keeps -inf at -inf).
