@@ -11,7 +11,7 @@
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
 #                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases]
-#                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] ...
+#                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] [staggered-many] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +104,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           "$OUT/penalty_sync_probe.json" || status=1 ;;
     capture-gc-probe) python3 benchmarks/experiments/capture_gc_probe.py \
                         "$OUT/capture_gc_probe.json" || status=1 ;;
+    staggered-many) python3 benchmarks/experiments/staggered_arrivals.py \
+                      "$OUT/staggered_arrivals_many.json" --many || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
                     || status=1 ;;
     # l2-prefetch measures an op that exists at 4618b7a..71e86be only (see the script)

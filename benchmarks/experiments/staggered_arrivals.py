@@ -7,7 +7,10 @@ decode row (~150 tokens of ~50 sequences). One engine per setting of
 ``step_graphs.SEQ_BUCKETS`` (which mixed steps replay a graph; the others run eagerly); wall
 time of the whole run, and every request's tokens and logprobs against the first setting's.
 
-    PYTHONPATH=src python benchmarks/experiments/staggered_arrivals.py OUT.json
+    PYTHONPATH=src python benchmarks/experiments/staggered_arrivals.py OUT.json [--many]
+
+``--many``: 144 requests start, then one every 8 steps until 208 (~150-200 running, past the
+64-sequence bucket), with step graphs for up to 64 against up to 256 sequences.
 """
 
 import json
@@ -25,6 +28,7 @@ from detlora.study import bench_engine as be
 
 START, TOTAL, EVERY = 48, 112, 8
 SETTINGS = {"seqs_1_4_16": (1, 4, 16), "seqs_1_4_16_64": (1, 4, 16, 64)}
+MANY = (144, 208, {"seqs_to_64": (1, 4, 16, 64), "seqs_to_256": (1, 4, 16, 64, 128, 256)})
 
 
 def serve(llm, w) -> tuple[float, dict, int]:
@@ -50,7 +54,10 @@ def serve(llm, w) -> tuple[float, dict, int]:
     return time.perf_counter() - t0, done, steps
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, many: bool = False) -> None:
+    global START, TOTAL, SETTINGS
+    if many:
+        START, TOTAL, SETTINGS = MANY
     plan = be.BenchPlan()
     rows, ref = [], None
     with tempfile.TemporaryDirectory(prefix="detlora-arrivals-") as tmp:
@@ -84,8 +91,10 @@ def main(out_path: str) -> None:
             be._free_gpu()
     with open(out_path, "w") as f:
         json.dump({"meta": results_meta("python benchmarks/experiments/staggered_arrivals.py "
-                                        "OUT.json"), "rows": rows}, f, indent=1)
+                                        "OUT.json" + (" --many" if many else "")),
+                   "workload": {"start": START, "total": TOTAL, "every": EVERY},
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], many="--many" in sys.argv[2:])
