@@ -244,3 +244,21 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama_dir):
                      ({"allowed_token_ids": [3, VOCAB + 4]}, "allowed_token_ids")):
         with pytest.raises(ValueError, match=f"{name} names token ids outside the vocabulary"):
             llm.generate([5, 6], SamplingParams(**kw), use_tqdm=False)
+
+
+def test_penalties_without_prompt_or_output_ids_are_the_reference():
+    # A row without prompt ids (a pending token only), alone and beside one before its first
+    # output token.
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    fed = torch.tensor([0, 9], dtype=torch.int64)
+    want = torch.stack([adjust_row_ref(logits[0], params, [], [4, 9, 9]),
+                        adjust_row_ref(logits[1], params, [2, 2, 5], [])])
+    rows = [(0, row_adjust(params, [], [4, 9, -1], pending_src=1)),
+            (1, row_adjust(params, [2, 2, 5], []))]
+    for n in (1, 2):
+        up = _Upload()
+        sections = _pack_adjustments(up, rows[:n])
+        x = logits[:n].clone()
+        apply_adjustments(x, _adjust_tensors(up.send(torch.device("cpu"), None), sections, fed))
+        assert torch.equal(x, want[:n]), n

@@ -333,7 +333,8 @@ def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatc
     """An engine dropped by its user stays alive in reference cycles (its runner's graphs hold
     its bound forward) until Python's cyclic GC runs, which may be in the middle of the next
     engine's capture (forced here: a collection after every captured forward). Freeing its
-    CUDA graphs there must not invalidate the capture (flaky before gc_paused)."""
+    CUDA graphs there must not invalidate the capture (without gc_paused it did, on the H200;
+    it made the small engine of test_prefix_cache_keeps_the_bits run eagerly in 2 of 3 runs)."""
     import gc
     import weakref
 

@@ -46,8 +46,10 @@ def capture_bucket(
 def gc_paused() -> Iterator[None]:
     """Collect dead reference cycles now, then keep Python's cyclic GC off until the block
     ends (restored on errors). torch's ``graph`` no longer collects before capturing (torch
-    2.11), so a collection that starts mid-capture could free a dead cycle's pinned host
-    buffer or event there, a CUDA call that invalidates the capture in ``global`` mode."""
+    2.11), and a dropped engine lives in cycles (its runner's graphs hold its bound forward)
+    until a collection: one that started mid-capture destroyed that engine's CUDA graphs
+    there, which silently invalidates the capture (benchmarks/results/capture_gc_probe.json;
+    freeing pinned buffers or events there did not)."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()

@@ -20,11 +20,11 @@ reference of one row.
 
 Penalties are computed on the device from the rows' raw token ids: the host uploads each
 penalized row's prompt and output ids as they are (no deduplication or counting in Python:
-that cost ~4 ms a step at batch 64), the device counts the outputs into a dense [rows, V]
-table (sums of ones: exact in any order) and penalizes the seen columns elementwise, with the
-same arithmetic per element as the reference. In a step launched ahead (the engine's
-run-ahead) the row's last output token is still on the device, where the sampler of the step
-before left it: the device adds it to the count table from there.
+that cost ~4 ms of host time a step at batch 64 on our CPU), the device counts the outputs
+into a dense [rows, V] table (sums of ones: exact in any order) and penalizes the seen
+columns elementwise, with the same arithmetic per element as the reference. In a step
+launched ahead (the engine's run-ahead) the row's last output token is still on the device,
+where the sampler of the step before left it: the device adds it to the count table there.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def _apply_penalties(x: torch.Tensor, t: AdjustTensors) -> None:
         counts.index_put_((t.pending_rows, token),
                           torch.ones_like(token, dtype=sub.dtype), accumulate=True)
     seen = counts > 0
-    fill_at(seen, (_rows_of(t.prompt_lens, t.prompt_tokens.numel()), t.prompt_tokens), True)
+    if t.prompt_tokens is not None:
+        fill_at(seen, (_rows_of(t.prompt_lens, t.prompt_tokens.numel()), t.prompt_tokens), True)
     penalized = _penalize(sub, t.repetition[:, None], t.frequency[:, None],
                           t.presence[:, None], counts)
     x[t.penalized_rows] = torch.where(seen, penalized, sub)
