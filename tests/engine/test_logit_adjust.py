@@ -10,6 +10,7 @@ import torch
 from engine_helpers import VOCAB, random_prompts, same_outputs
 
 from detlora.config import SamplingParams
+from detlora.engine import logit_adjust
 from detlora.engine.llm import LLM
 from detlora.engine.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
 from detlora.engine.sampler import (
@@ -35,7 +36,10 @@ def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
         min_p=rng.choice([0.0, 0.0, 0.1, 0.6]))
 
 
-def test_flat_adjustment_is_the_reference_bit_for_bit():
+@pytest.mark.parametrize("int32_keys", [True, False])
+def test_flat_adjustment_is_the_reference_bit_for_bit(int32_keys, monkeypatch):
+    if not int32_keys:  # the (row, token) keys of a batch too big for int32
+        monkeypatch.setattr(logit_adjust, "INT32_KEYS_UP_TO", 0)
     rng = random.Random(0)
     vocab = 50
     for _ in range(30):

@@ -141,6 +141,10 @@ class AdjustTensors:
     fed: torch.Tensor | None = None  # the previous step's tokens (int64 or exact float64)
 
 
+# (row, token) keys fit int32 up to here; int32 keys sort in half the radix passes of int64.
+INT32_KEYS_UP_TO = 2**31 - 1
+
+
 def _penalize(v: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
               presence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Repetition, frequency and presence penalties of seen entries (values ``v``)."""
@@ -179,8 +183,7 @@ def _apply_penalties(x: torch.Tensor, t: AdjustTensors) -> None:
         is_output.append(torch.ones_like(t.pending_rows))
     if not keys:
         return  # no row has seen a token yet
-    # int32 keys sort in half the radix passes of int64 ones.
-    key_dtype = torch.int32 if num_rows * vocab < 2**31 else torch.int64
+    key_dtype = torch.int32 if num_rows * vocab <= INT32_KEYS_UP_TO else torch.int64
     key, order = torch.sort(torch.cat(keys).to(key_dtype))
     outputs_before = torch.cumsum(torch.cat(is_output)[order], 0)
     outputs_before = torch.cat([outputs_before.new_zeros(1), outputs_before])
