@@ -220,3 +220,43 @@ def test_launching_adjusted_rows_queues_without_a_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(pending.result()) == 8
+
+
+def test_penalties_on_the_gpu_are_the_cpu_references_bits():
+    """The sorted-key penalties on the H200's vocabulary (repeated ids, ids seen only in the
+    prompt, pending tokens in ``fed``, -inf entries from an allowed list) against the per-row
+    CPU reference, bit for bit."""
+    import random
+
+    from detlora.engine.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
+    from detlora.engine.sampler import _adjust_tensors, _pack_adjustments, _Upload
+
+    rng = random.Random(7)
+    n = 48
+    x, _, _ = _inputs(n, seed=11)
+    fed = torch.randint(0, VOCAB, (n,), device=DEV)
+    fed_host = fed.tolist()
+    rows, want = [], []
+    for i in range(n):
+        params = SamplingParams(repetition_penalty=rng.choice([1.0, 1.2, 0.8]),
+                                frequency_penalty=rng.choice([0.0, 0.3, -0.2]),
+                                presence_penalty=rng.choice([0.0, 0.5]),
+                                allowed_token_ids=(list(range(0, VOCAB, 7))
+                                                   if i % 5 == 0 else None))
+        hot = [rng.randrange(VOCAB) for _ in range(6)]  # repeated often
+        prompt = [rng.choice(hot) if rng.random() < 0.5 else rng.randrange(VOCAB)
+                  for _ in range(rng.randrange(0, 300))]
+        out = [rng.choice(hot) if rng.random() < 0.5 else rng.randrange(VOCAB)
+               for _ in range(rng.randrange(0, 200))]
+        pending = i % 3 == 0
+        want.append(adjust_row_ref(x[i].cpu(), params, prompt,
+                                   [*out, fed_host[i]] if pending else out))
+        adjust = row_adjust(params, prompt, [*out, -1] if pending else out,
+                            pending_src=i if pending else None)
+        if adjust is not None:
+            rows.append((i, adjust))
+    up = _Upload()
+    sections = _pack_adjustments(up, rows)
+    got = x.clone()
+    apply_adjustments(got, _adjust_tensors(torch.tensor(up.values, device=DEV), sections, fed))
+    assert torch.equal(got.cpu(), torch.stack(want))
