@@ -11,7 +11,8 @@
 #                     [staggered-arrivals] [attention-decode-ctas] [rms-persistent] [matmul-ws] [matmul-bounds]
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
 #                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases]
-#                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] [staggered-many] ...
+#                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] [staggered-many]
+#                     [cublas-kernels] [sampling-tests] [penalty-engine-tests] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +105,13 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
                           "$OUT/penalty_sync_probe.json" || status=1 ;;
     capture-gc-probe) python3 benchmarks/experiments/capture_gc_probe.py \
                         "$OUT/capture_gc_probe.json" || status=1 ;;
+    cublas-kernels) python3 benchmarks/experiments/cublas_kernel_choice.py \
+                      "$OUT/cublas_kernel_choice.json" || status=1 ;;
+    sampling-tests) python3 -m pytest -q tests/gpu/test_sampling_gpu.py -p no:cacheprovider 2>&1 \
+                      | tee "$OUT/gpu_tests_sampling.log" | tail -n 25 || status=1 ;;
+    penalty-engine-tests) python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "penal or sync" \
+                            -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_penalties.log" \
+                            | tail -n 25 || status=1 ;;
     staggered-many) python3 benchmarks/experiments/staggered_arrivals.py \
                       "$OUT/staggered_arrivals_many.json" --many || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
