@@ -24,8 +24,8 @@ that cost ~4 ms of host time a step at batch 64 on our CPU). The device sorts th
 token) keys of every id, so each seen entry is one run of equal keys; a run's output count
 is a difference of a running sum of ones (exact integers), and every id of the run writes the
 same penalized value, with the reference's arithmetic per element. The work follows the ids,
-not the vocabulary: a dense [rows, V] count table cost ~0.3 ms a step at batch 64 on the H200
-(benchmarks/results/penalized_profile.json). In a step launched ahead (the engine's
+not the vocabulary: at batch 64 on the H200 this cut the GPU time penalized rows add to a step
+from 0.56 to 0.30 ms against a dense [rows, V] count table (penalized_profile*.json). In a step launched ahead (the engine's
 run-ahead) the row's last output token is still on the device, where the sampler of the step
 before left it: the device reads it there as one more output id.
 """
