@@ -12,7 +12,7 @@
 #                     [copy-reference] [matmul-mid-m-loads] [prefix-cache] [engine-tests]
 #                     [matmul-two-part] [matmul-two-part-rule] [matmul-tests] [ops-matmul] [l2-read] [first-cache-hit] [profile-bi-large] [run-ahead-cases]
 #                     [penalized-profile] [capture-gc-probe] [penalty-sync-probe] [staggered-many]
-#                     [cublas-kernels] [sampling-tests] [penalty-engine-tests] ...
+#                     [cublas-kernels] [sampling-tests] [penalty-engine-tests] [penalized-long] ...
 # With no argument: tests, kernels, ops, engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,6 +112,8 @@ from detlora.cli import results_meta; import json, sys; json.dump({'meta': resul
     penalty-engine-tests) python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "penal or sync" \
                             -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_penalties.log" \
                             | tail -n 25 || status=1 ;;
+    penalized-long) python3 benchmarks/experiments/penalized_long_prompts.py \
+                      "$OUT/penalized_long_prompts.json" || status=1 ;;
     staggered-many) python3 benchmarks/experiments/staggered_arrivals.py \
                       "$OUT/staggered_arrivals_many.json" --many || status=1 ;;
     prefill-host) python3 benchmarks/experiments/prefill_host.py "$OUT/prefill_host.json" \
