@@ -91,20 +91,24 @@ def row_adjust(params: SamplingParams, token_ids: np.ndarray | Sequence[int], nu
     """The adjustments of a row that samples next; None when it has none.
 
     ``token_ids``: the row's prompt ids (the first ``num_prompt``), then its output ids read
-    so far; an engine passes ``Sequence.read_token_ids()`` (converted once per id), which only
-    penalties read. ``pending_src``: one more output token is not read yet; the device finds
+    so far; an engine passes ``Sequence.read_token_ids()`` (converted and checked once per id;
+    an int64 array is taken as it is, other sequences are converted and checked here), which
+    only penalties read. ``pending_src``: one more output token is not read yet; the device finds
     it at this index of the previous step's tokens."""
     if not has_adjustments(params):
         return None
     ids = None
     if has_penalties(params):
-        ids = np.asarray(token_ids, dtype=np.int64)
+        if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64:
+            ids = token_ids  # as TokenIdArray gives them: checked when converted
+        else:
+            ids = np.asarray(token_ids, dtype=np.int64)
+            if ids.size and ids.min() < 0:
+                raise RuntimeError("penalties need every output token but a pending last one "
+                                   "on the host")
         if ids.ndim != 1 or not 0 <= num_prompt <= ids.size:
             raise ValueError(f"num_prompt ({num_prompt}) must count the leading entries of a "
                              f"1-D token_ids (of {ids.size})")
-        if ids.size and ids.min() < 0:
-            raise RuntimeError("penalties need every output token but a pending last one "
-                               "on the host")
         if pending_src is not None and pending_src < 0:
             raise RuntimeError(f"a pending token's index must be >= 0, got {pending_src}")
     else:

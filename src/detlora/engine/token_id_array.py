@@ -30,15 +30,20 @@ class TokenIdArray:
         n = len(token_ids)
         if n and token_ids[-1] < 0:
             n -= 1
-        self._count = min(self._count, n)  # an unread last token was dropped
-        if n > self._ids.size:
-            grown = np.empty(max(n, 2 * self._ids.size, _MIN_CAPACITY), dtype=np.int64)
-            grown[: self._count] = self._ids[: self._count]
-            self._ids = grown
-        if n > self._count:
-            new = self._ids[self._count : n]
-            new[:] = token_ids[self._count : n]
+        count = self._count
+        if n == count + 1 and n <= self._ids.size:  # a decode step: one token more
+            token = token_ids[count]
+            if token < 0:
+                raise RuntimeError("only the last token of a sequence may be unread")
+            self._ids[count] = token
+        elif n > count:
+            if n > self._ids.size:
+                grown = np.empty(max(n, 2 * self._ids.size, _MIN_CAPACITY), dtype=np.int64)
+                grown[:count] = self._ids[:count]
+                self._ids = grown
+            new = self._ids[count:n]
+            new[:] = token_ids[count:n]
             if new.min() < 0:
                 raise RuntimeError("only the last token of a sequence may be unread")
-            self._count = n
+        self._count = n  # also when an unread last token was dropped (n < count)
         return self._ids[:n]
