@@ -1,9 +1,13 @@
 """Penalized requests with long prompts: host time per decode step and decode throughput.
 
-Penalties read every prompt and output id of their rows at every step. The host used to
-convert each of them from Python ints again each step (~9 ms at batch 64 with 4k-token prompts
-on our CPU); now each id is converted once (engine/token_id_array.py). Run it on both codes
-(``label`` names the run).
+Penalties read every prompt and output id of their rows at every step, and the host converts
+each of them from a Python int again each step (~9 ms at batch 64 with 4k-token prompts on our
+CPU). Commit e626f9d converted each id once instead (TokenIdArray); it was reverted because it
+slowed 100-token penalized rows in 2 of 3 runs (token_id_array_ab.json). ``label`` names a run.
+
+Measured (penalized_long_prompts.json: main's path; *_token_id_array_e626f9d.json): penalized
+decode 3,548 tok/s with 15.0 ms of host time a step (plain rows 5,331), against 5,086 tok/s and
+3.5 ms with TokenIdArray.
 
 bench_engine's model (Llama-3.2-3B shape, rank-16 adapter), batch_invariant, 64 requests of
 PROMPT_LEN random tokens, half greedy and half sampled (top_p 0.95), EOS ignored; plain and

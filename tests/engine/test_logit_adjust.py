@@ -24,13 +24,6 @@ from detlora.ops.reductions import argmax_ref
 from detlora.ops.softmax import log_softmax_ref
 
 
-def _row_adjust(params, prompt, out, pending_src=None):
-    """row_adjust of a row as the engine holds it: prompt and output lists, an unread last
-    output token (-1) when ``pending_src`` is given."""
-    read = out[:-1] if pending_src is not None else out
-    return row_adjust(params, [*prompt, *read], len(prompt), pending_src)
-
-
 def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
     return SamplingParams(
         temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(100), logprobs=rng.choice([None, 2]),
@@ -57,7 +50,7 @@ def test_flat_adjustment_is_the_reference_bit_for_bit(int32_keys, monkeypatch):
             params = _random_params(rng, vocab)
             prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
             out = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
-            adjust = _row_adjust(params, prompt, out)
+            adjust = row_adjust(params, prompt, out)
             want.append(adjust_row_ref(logits[i], params, prompt, out))
             if adjust is not None:
                 rows.append((i, adjust))
@@ -92,7 +85,7 @@ def test_a_pending_last_token_gives_the_bits_of_a_read_one():
                                *(params.logit_bias or {})])
             fed[src[i]] = last
             want.append(adjust_row_ref(logits[i], params, prompt, [*out, last]))
-            adjust = _row_adjust(params, prompt, [*out, -1], pending_src=src[i])
+            adjust = row_adjust(params, prompt, [*out, -1], pending_src=src[i])
             if adjust is not None:
                 assert (adjust.pending_src is not None) == (params.repetition_penalty != 1.0
                                                             or params.presence_penalty != 0.0
@@ -107,19 +100,15 @@ def test_a_pending_last_token_gives_the_bits_of_a_read_one():
         assert torch.equal(x, torch.stack(want)), trial
 
 
-def test_a_pending_token_is_the_unread_last_one():
+def test_a_pending_token_must_be_the_unread_last_one():
     params = SamplingParams(repetition_penalty=1.2)
+    with pytest.raises(RuntimeError, match="pending output token"):
+        row_adjust(params, [1], [2, 3], pending_src=0)  # the last token is read
     with pytest.raises(RuntimeError, match="on the host"):
-        row_adjust(params, [1, -1, 3], 1)  # an unread token that is not declared pending
-    with pytest.raises(RuntimeError, match="index must be >= 0"):
-        row_adjust(params, [1, 2], 1, pending_src=-1)
-    for num_prompt in (-1, 3):
-        with pytest.raises(ValueError, match="num_prompt"):
-            row_adjust(params, [1, 2], num_prompt)
-    adjust = _row_adjust(params, [1], [2, -1], pending_src=4)
-    assert adjust.pending_src == 4 and adjust.token_ids.tolist() == [1, 2]
-    assert adjust.num_prompt == 1
-    assert _row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
+        row_adjust(params, [1], [-1, 3])  # an unread token that is not declared pending
+    adjust = row_adjust(params, [1], [2, -1], pending_src=4)
+    assert adjust.pending_src == 4 and (adjust.prompt_tokens, adjust.output_tokens) == ((1,), (2,))
+    assert row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
     with pytest.raises(ValueError, match="pass fed"):
         Sampler(argmax_ref, log_softmax_ref).launch(
             torch.zeros(1, 8), [SampleRequest(params, 1, 3, adjust=adjust)])
@@ -149,7 +138,7 @@ def test_min_p_keeps_the_tokens_vllm_keeps():
         assert torch.equal(torch.isfinite(got)[clear], (ratio >= min_p)[clear])
         assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])
     # Greedy rows ignore it, as in vLLM.
-    assert _row_adjust(SamplingParams(min_p=0.5), [1], [2]) is None
+    assert row_adjust(SamplingParams(min_p=0.5), [1], [2]) is None
 
 
 def test_sampled_tokens_respect_min_p():
@@ -159,7 +148,7 @@ def test_sampled_tokens_respect_min_p():
     p = torch.softmax(logits[0].double(), -1)
     allowed = set(torch.nonzero(p >= 0.4 * p.max())[:, 0].tolist())
     drawn = {s(logits, [SampleRequest(params, seed=k, position=3,
-                                      adjust=_row_adjust(params, [], []))])[0].token_id
+                                      adjust=row_adjust(params, [], []))])[0].token_id
              for k in range(200)}
     assert drawn <= allowed and len(drawn) > 1
 
@@ -176,7 +165,7 @@ def test_a_rows_result_does_not_depend_on_the_others():
         for i in range(n):
             params = _random_params(rng, vocab) if i % 2 else SamplingParams(
                 temperature=rng.choice([0.0, 0.8]), seed=i, logprobs=1)
-            reqs.append(SampleRequest(params, seed=i, position=7, adjust=_row_adjust(
+            reqs.append(SampleRequest(params, seed=i, position=7, adjust=row_adjust(
                 params, [1, 2, 3], [4, 4, 5])))
         together = s(logits, reqs)
         for i in range(n):  # alone: unadjusted rows stay on the 16-bit path
@@ -269,8 +258,8 @@ def test_penalties_without_prompt_or_output_ids_are_the_reference():
     fed = torch.tensor([0, 9], dtype=torch.int64)
     want = torch.stack([adjust_row_ref(logits[0], params, [], [4, 9, 9]),
                         adjust_row_ref(logits[1], params, [2, 2, 5], [])])
-    rows = [(0, _row_adjust(params, [], [4, 9, -1], pending_src=1)),
-            (1, _row_adjust(params, [2, 2, 5], []))]
+    rows = [(0, row_adjust(params, [], [4, 9, -1], pending_src=1)),
+            (1, row_adjust(params, [2, 2, 5], []))]
     for n in (1, 2):
         up = _Upload()
         sections = _pack_adjustments(up, rows[:n])

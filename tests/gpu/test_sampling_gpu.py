@@ -207,7 +207,7 @@ def test_launching_adjusted_rows_queues_without_a_host_sync():
                                 allowed_token_ids=list(range(100, 400)) if k == 3 else None,
                                 min_p=0.1 if k % 2 else 0.0,
                                 **(dict(temperature=0.8, seed=k) if k % 2 else {}))
-        adjust = row_adjust(params, [7, 8, 9, 11, 12], 3, pending_src=k)  # 3 prompt ids
+        adjust = row_adjust(params, [7, 8, 9], [11, 12, -1], pending_src=k)
         reqs.append(SampleRequest(params, seed=k, position=6, banned_token_ids=(1, 2),
                                   adjust=adjust))
     sampler = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
@@ -251,13 +251,12 @@ def test_penalties_on_the_gpu_are_the_cpu_references_bits():
         pending = i % 3 == 0
         want.append(adjust_row_ref(x[i].cpu(), params, prompt,
                                    [*out, fed_host[i]] if pending else out))
-        adjust = row_adjust(params, [*prompt, *out], len(prompt),
+        adjust = row_adjust(params, prompt, [*out, -1] if pending else out,
                             pending_src=i if pending else None)
         if adjust is not None:
             rows.append((i, adjust))
     up = _Upload()
     sections = _pack_adjustments(up, rows)
     got = x.clone()
-    dev = up.send(torch.device("cpu"), None).to(DEV)
-    apply_adjustments(got, _adjust_tensors(dev, sections, fed))
+    apply_adjustments(got, _adjust_tensors(torch.tensor(up.values, device=DEV), sections, fed))
     assert torch.equal(got.cpu(), torch.stack(want))

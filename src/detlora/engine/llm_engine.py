@@ -20,7 +20,7 @@ from detlora.engine import cpu_invariant_ops, kv_sizing
 from detlora.engine.block_hashes import UNREAD
 from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
-from detlora.engine.logit_adjust import has_adjustments, has_penalties, row_adjust
+from detlora.engine.logit_adjust import has_adjustments, row_adjust
 from detlora.engine.model_runner import ModelRunner
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive_seed
@@ -465,14 +465,9 @@ class LLMEngine:
     def _sample_request(self, seq: Seq, fed_row: int | None = None) -> SampleRequest:
         """``fed_row``: in a step launched ahead, where the sequence's unread last token is."""
         banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
-        adjust = None
-        if has_adjustments(seq.params):  # most rows have none: nothing to gather
-            penalties = has_penalties(seq.params)
-            ids = seq.read_token_ids() if penalties else ()
-            if penalties and (len(ids) < len(seq)) != (fed_row is not None):
-                raise RuntimeError("a sequence's unread last token must be the step's pending "
-                                   "one (and only then)")
-            adjust = row_adjust(seq.params, ids, seq.num_prompt_tokens, fed_row)
+        # Most rows have no adjustment: skip copying their output tokens every step.
+        adjust = (row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
+                  if has_adjustments(seq.params) else None)
         return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust)
 
     def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:

@@ -18,18 +18,16 @@ Every step touches one row's own entries with elementwise fp32 ops (and an exact
 row's result does not depend on the other rows of the batch. ``adjust_row_ref`` is the torch
 reference of one row.
 
-Penalties are computed on the device from the rows' raw token ids. The host uploads each
-penalized row's prompt and read output ids as they are: no deduplication or counting in Python
-(that cost ~4 ms of host time a step at batch 64 on our CPU), and each id is converted to int64
-once, when it first appears (``engine.token_id_array``), so a step only copies memory. The
-device sorts the (row, token) keys of every id, so each seen entry is one run of equal keys; a
-run's output count is a difference of a running sum of ones (exact integers), and every id of
-the run writes the same penalized value, with the reference's arithmetic per element. The work
-follows the ids, not the vocabulary: at batch 64 on the H200 this cut the GPU time penalized
-rows add to a step from 0.56 to 0.30 ms against a dense [rows, V] count table
-(penalized_profile*.json). In a step launched ahead (the engine's run-ahead) the row's last
-output token is still on the device, where the sampler of the step before left it: the device
-reads it there as one more output id.
+Penalties are computed on the device from the rows' raw token ids: the host uploads each
+penalized row's prompt and output ids as they are (no deduplication or counting in Python:
+that cost ~4 ms of host time a step at batch 64 on our CPU). The device sorts the (row, token)
+keys of every id, so each seen entry is one run of equal keys; a run's output count is a
+difference of a running sum of ones (exact integers), and every id of the run writes the same
+penalized value, with the reference's arithmetic per element. The work follows the ids, not
+the vocabulary: at batch 64 on the H200 this cut the GPU time penalized rows add to a step from
+0.56 to 0.30 ms against a dense [rows, V] count table (penalized_profile*.json). In a step
+launched ahead (the engine's run-ahead) the row's last output token is still on the device,
+where the sampler of the step before left it: the device reads it there as one more output id.
 """
 
 from __future__ import annotations
@@ -37,9 +35,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from detlora.config import SamplingParams
@@ -52,15 +49,15 @@ class RowAdjust:
     allowed: tuple[int, ...] = ()
     bias_tokens: tuple[int, ...] = ()
     bias_values: tuple[float, ...] = ()
-    # With penalties: the row's prompt ids, then the output ids the host has read (int64).
-    token_ids: np.ndarray | None = field(default=None, compare=False)
-    num_prompt: int = 0  # how many of token_ids are the prompt's
+    # With penalties: the row's prompt ids and the output ids the host has read, as they are.
+    prompt_tokens: tuple[int, ...] = ()
+    output_tokens: tuple[int, ...] = ()
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     min_p_offset: float | None = None  # temperature * ln(min_p): the cut below the row's max
     # With penalties in a step launched ahead: the row's last output token is not in
-    # token_ids but on the device, at this index of the previous step's tokens.
+    # output_tokens but on the device, at this index of the previous step's tokens.
     pending_src: int | None = None
 
     @property
@@ -86,41 +83,36 @@ def has_adjustments(params: SamplingParams) -> bool:
                 or min_p_offset(params) is not None)
 
 
-def row_adjust(params: SamplingParams, token_ids: np.ndarray | Sequence[int], num_prompt: int,
-               pending_src: int | None = None) -> RowAdjust | None:
-    """The adjustments of a row that samples next; None when it has none.
+def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
+               output_ids: Sequence[int], pending_src: int | None = None) -> RowAdjust | None:
+    """The adjustments of a row that samples after ``output_ids``; None when it has none.
 
-    ``token_ids``: the row's prompt ids (the first ``num_prompt``), then its output ids read
-    so far; an engine passes ``Sequence.read_token_ids()`` (converted and checked once per id;
-    an int64 array is taken as it is, other sequences are converted and checked here), which
-    only penalties read. ``pending_src``: one more output token is not read yet; the device finds
-    it at this index of the previous step's tokens."""
+    ``pending_src``: the last output token is not read yet (a negative placeholder); the
+    device finds it at this index of the previous step's tokens."""
     if not has_adjustments(params):
         return None
-    ids = None
-    if has_penalties(params):
-        if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64:
-            ids = token_ids  # as TokenIdArray gives them: checked when converted
-        else:
-            ids = np.asarray(token_ids, dtype=np.int64)
-            if ids.size and ids.min() < 0:
-                raise RuntimeError("penalties need every output token but a pending last one "
-                                   "on the host")
-        if ids.ndim != 1 or not 0 <= num_prompt <= ids.size:
-            raise ValueError(f"num_prompt ({num_prompt}) must count the leading entries of a "
-                             f"1-D token_ids (of {ids.size})")
-        if pending_src is not None and pending_src < 0:
-            raise RuntimeError(f"a pending token's index must be >= 0, got {pending_src}")
-    else:
+    penalties = has_penalties(params)
+    offset = min_p_offset(params)
+    prompt: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    if not penalties:
         pending_src = None  # only penalties read the output tokens
+    if penalties:
+        if pending_src is not None:
+            if not output_ids or output_ids[-1] >= 0 or pending_src < 0:
+                raise RuntimeError("a pending output token must be the last one, unread, "
+                                   "at a valid index of the previous step's tokens")
+            output_ids = output_ids[:-1]
+        if output_ids and min(output_ids) < 0:
+            raise RuntimeError("penalties need every output token but the last on the host")
+        prompt, outputs = tuple(prompt_ids), tuple(output_ids)
     bias = params.logit_bias or {}
     return RowAdjust(
         allowed=params.allowed_token_ids or (),
         bias_tokens=tuple(bias), bias_values=tuple(bias.values()),
-        token_ids=ids, num_prompt=num_prompt if ids is not None else 0,
-        repetition=params.repetition_penalty, presence=params.presence_penalty,
-        frequency=params.frequency_penalty, min_p_offset=min_p_offset(params),
-        pending_src=pending_src,
+        prompt_tokens=prompt, output_tokens=outputs, repetition=params.repetition_penalty,
+        presence=params.presence_penalty, frequency=params.frequency_penalty,
+        min_p_offset=offset, pending_src=pending_src,
     )
 
 
@@ -135,9 +127,10 @@ class AdjustTensors:
     bias_cols: torch.Tensor | None
     bias_values: torch.Tensor | None  # fp32
     penalized_rows: torch.Tensor | None  # [R] the rows with penalties
-    token_lens: torch.Tensor | None  # [R] ids of each row in penalty_tokens
-    prompt_lens: torch.Tensor | None  # [R] how many of them are the prompt's
-    penalty_tokens: torch.Tensor | None  # each row's prompt then read output ids, row after row
+    prompt_lens: torch.Tensor | None  # [R]
+    prompt_tokens: torch.Tensor | None  # every penalized row's prompt ids, in row order
+    output_lens: torch.Tensor | None  # [R] the output ids the host has read
+    output_tokens: torch.Tensor | None  # (None when no row has one yet)
     repetition: torch.Tensor | None  # fp32 [R]
     presence: torch.Tensor | None
     frequency: torch.Tensor | None
@@ -177,13 +170,12 @@ def _apply_penalties(x: torch.Tensor, t: AdjustTensors) -> None:
     vocab, num_rows = x.shape[1], t.penalized_rows.numel()
     keys: list[torch.Tensor] = []  # row * vocab + token, rows local (0..R-1)
     is_output: list[torch.Tensor] = []
-    if t.penalty_tokens is not None:
-        total = t.penalty_tokens.numel()
-        rows = _rows_of(t.token_lens, total)
-        row_start = torch.cumsum(t.token_lens, 0) - t.token_lens
-        place = torch.arange(total, device=rows.device) - row_start[rows]  # within its row
-        keys.append(rows * vocab + t.penalty_tokens)
-        is_output.append((place >= t.prompt_lens[rows]).long())
+    for lens, tokens, output in ((t.prompt_lens, t.prompt_tokens, False),
+                                 (t.output_lens, t.output_tokens, True)):
+        if tokens is not None:
+            rows = _rows_of(lens, tokens.numel())
+            keys.append(rows * vocab + tokens)
+            is_output.append(torch.full_like(rows, int(output)))
     if t.pending_rows is not None:
         if t.fed is None:
             raise ValueError("pending output tokens need the previous step's tokens (fed)")

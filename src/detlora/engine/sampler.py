@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from detlora.config import SamplingParams
@@ -105,46 +104,28 @@ def _rows(idx: list[int], n: int) -> slice | None:
 
 
 class _Upload:
-    """int64 values gathered on the host during a call, sent to the device in one copy.
-
-    Sections are lists of Python ints, or int64 arrays (penalties' token ids, converted once
-    per id by the engine: here they are only copied)."""
+    """int64 values gathered on the host during a call, sent to the device in one copy."""
 
     def __init__(self) -> None:
-        self._chunks: list[Sequence[int] | np.ndarray] = []
-        self.size = 0
+        self.values: list[int] = []
 
-    def add(self, values: Sequence[int] | np.ndarray) -> slice:
-        return self.add_chunks([values])
-
-    def add_chunks(self, chunks: Sequence[Sequence[int] | np.ndarray]) -> slice:
-        """One section made of several chunks, in order."""
-        start = self.size
-        for chunk in chunks:
-            self._chunks.append(chunk)
-            self.size += len(chunk)
-        return slice(start, self.size)
+    def add(self, values: Sequence[int]) -> slice:
+        start = len(self.values)
+        self.values.extend(values)
+        return slice(start, len(self.values))
 
     def rows(self, idx: list[int], n: int) -> slice | tuple[slice]:
         """A slice of the rows, or (section,) to be resolved as an index tensor."""
         run = _rows(idx, n)
         return run if run is not None else (self.add(idx),)
 
-    def fill(self, out: np.ndarray) -> np.ndarray:
-        """Every section, in order, written into ``out`` (int64, ``size`` long)."""
-        pos = 0
-        for chunk in self._chunks:
-            out[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
-        return out
-
     def send(self, device: torch.device, staging: PinnedStaging) -> torch.Tensor:
         if device.type != "cuda":
-            return torch.from_numpy(self.fill(np.empty(self.size, dtype=np.int64)))
+            return torch.tensor(self.values, dtype=torch.int64)
         # Pinned + non_blocking: the copy queues behind the forward pass instead of waiting
         # for it, so the host keeps launching; the one sync is the read at the end.
-        host = staging.take(self.size)
-        self.fill(host.numpy())
+        host = staging.take(len(self.values))
+        host.numpy()[:] = self.values
         dev = host.to(device, non_blocking=True)
         staging.fence.record()
         return dev
@@ -177,20 +158,19 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
     fp32 bits); ``_adjust_tensors`` reads them back on the device."""
     ints: dict[str, list[int]] = {k: [] for k in (
         "allowed_rows", "allowed_cols", "masked_rows", "bias_rows", "bias_cols",
-        "penalized_rows", "token_lens", "prompt_lens", "min_p_rows", "pending_rows",
-        "pending_src")}
+        "penalized_rows", "prompt_lens", "prompt_tokens", "output_lens", "output_tokens",
+        "min_p_rows", "pending_rows", "pending_src")}
     floats: dict[str, list[float]] = {k: [] for k in _FLOAT_FIELDS}
-    penalty_tokens: list[np.ndarray] = []
     for i, a in rows:
         if a.penalized:
             if a.pending_src is not None:
                 ints["pending_rows"].append(len(ints["penalized_rows"]))
                 ints["pending_src"].append(a.pending_src)
-            ids = a.token_ids if a.token_ids is not None else np.empty(0, dtype=np.int64)
             ints["penalized_rows"].append(i)
-            ints["token_lens"].append(len(ids))
-            ints["prompt_lens"].append(a.num_prompt)
-            penalty_tokens.append(ids)
+            ints["prompt_lens"].append(len(a.prompt_tokens))
+            ints["prompt_tokens"] += a.prompt_tokens
+            ints["output_lens"].append(len(a.output_tokens))
+            ints["output_tokens"] += a.output_tokens
             floats["repetition"].append(a.repetition)
             floats["presence"].append(a.presence)
             floats["frequency"].append(a.frequency)
@@ -206,8 +186,6 @@ def _pack_adjustments(up: _Upload, rows: list[tuple[int, RowAdjust]]) -> dict[st
         floats["bias_values"] += a.bias_values
     sections = {k: up.add(v) for k, v in ints.items() if v}
     sections |= {k: up.add(_fp32_bits(v)) for k, v in floats.items() if v}
-    if any(len(ids) for ids in penalty_tokens):
-        sections["penalty_tokens"] = up.add_chunks(penalty_tokens)
     return sections
 
 
@@ -445,7 +423,7 @@ class Sampler:
                     head_dst.append(place.get(i, flat_size))
                     flat_size += int(i not in place)
             head_sec = up.add(head_dst)
-        dev = up.send(device, self._staging) if up.size else None
+        dev = up.send(device, self._staging) if up.values else None
 
         def resolve(rows: slice | tuple[slice]) -> slice | torch.Tensor:
             return rows if isinstance(rows, slice) else dev[rows[0]]

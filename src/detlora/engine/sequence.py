@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import numpy as np
-
 from detlora.config import SamplingParams
-from detlora.engine.token_id_array import TokenIdArray
 
 
 class SequenceStatus(str, Enum):
@@ -60,7 +57,6 @@ class Sequence:
     num_registered_pages: int = 0
     num_computing_end: int = 0  # pages [num_registered_pages, this) are marked as computing
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
-    id_array: TokenIdArray = field(default_factory=TokenIdArray, repr=False)  # for penalties
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -76,10 +72,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    def read_token_ids(self) -> np.ndarray:
-        """``token_ids`` as int64 without an unread last token (converted incrementally)."""
-        return self.id_array.known(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
