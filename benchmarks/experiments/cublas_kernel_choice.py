@@ -2,14 +2,20 @@
 (batch_invariant_ops.json), and whether its choice changes with M.
 
 For each layer shape and M, ``torch.mm(x, w.t())`` (bench_matmul's cuBLAS call) runs under
-torch.profiler; every CUDA kernel of one call is recorded with its grid and block. cuBLAS
-names encode the tile (``tilesize128x128x64``), the cluster, and reductions across CTAs
-(``splitK``, ``stream_k``, a separate reduce kernel). A choice that splits K, or whose tile or
-K split changes with M, sums a row's products in an order that depends on M: exactly what
-the batch-invariant kernel may not do. The detlora kernel's launch (grid) is recorded beside.
-Rows at M = 1 (decode) and 4096 (where we match cuBLAS) are there for contrast.
+torch.profiler; every CUDA kernel of one call is recorded with its grid and block. A choice
+that splits K (a reduce kernel, or split-K in the name), or whose K split changes with M, sums
+a row's products in an order that depends on M: what the batch-invariant kernel may not do.
+The detlora kernel's launch (grid) is recorded beside. Rows at M = 1 (decode) and 4096 (where
+we match cuBLAS) are there for contrast.
 
     PYTHONPATH=src python benchmarks/experiments/cublas_kernel_choice.py OUT.json
+
+Outcome at 2a58952 (benchmarks/results/cublas_kernel_choice.json): at every point cuBLAS runs
+one nvjet kernel (no reduce kernel, no split-K) on 128-132 CTAs. Its tile's column side is
+often not a power of two (in the name, N x M of the output tile: 80x128 for llama q|k|v at
+M = 256, 96x64 for llama o and down at 256, 96x128 for qwen gate|up at 256, 192x128 and
+320x128 at 1024), which Triton blocks cannot be; we run 80-128 CTAs of 128x128 or 64x128
+there. The gap is the tile and its pipeline, not a reduction order invariance forbids.
 """
 
 import json
