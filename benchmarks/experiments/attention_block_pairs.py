@@ -23,10 +23,10 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.study import bench_attention as ba
-from detlora.study.timing import time_graph_us
 
 device = torch.device("cuda")
 VARIANTS = {"one": (False, False), "pairs": (True, True)}

@@ -9,8 +9,8 @@ import os
 
 import torch
 
+from benchmarks.harness.timing import time_graph_us
 from detlora.study import bench_attention as ba
-from detlora.study.timing import time_graph_us
 
 hq, hk, d = ba.MODELS["llama3b"]
 rows = []

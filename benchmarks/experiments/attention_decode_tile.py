@@ -14,10 +14,10 @@ import sys
 
 import torch
 
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.ops import paged_attention_split_kv as skv
 from detlora.study import bench_attention as ba
-from detlora.study.timing import time_graph_us
 
 out_path = os.path.join(os.environ.get("OUT", "."), "attention_decode_tile.json")
 dev = torch.device("cuda")

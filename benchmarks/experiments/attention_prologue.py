@@ -17,10 +17,10 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.study import bench_attention as ba
-from detlora.study.timing import time_graph_us
 
 spec = importlib.util.spec_from_file_location("old_paged_attention", sys.argv[2])
 old = importlib.util.module_from_spec(spec)

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.study import bench_attention as ba
-from detlora.study.timing import input_sets_for, time_graph_us
 
 hq, hk, d = ba.MODELS["llama3b"]
 device = torch.device("cuda")

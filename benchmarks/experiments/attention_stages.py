@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.study import bench_attention as ba
-from detlora.study.timing import time_graph_us
 
 hq, hk, d = ba.MODELS["llama3b"]
 device = torch.device("cuda")

@@ -71,7 +71,7 @@ def _case(name: str) -> dict:
 def main(out_path: str) -> None:
     import torch
 
-    from detlora.cli import results_meta
+    from benchmarks.harness import results_meta
 
     rows = []
     for name in CASES:  # one process per case: a failed capture may leave the context odd

@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.study.bench_rowwise import DTYPE, _time_copy
-from detlora.study.timing import input_sets_for, time_graph_us
 
 VARIANT_SHAPES = ((4096, 3072), (1024, 3072))
 

@@ -24,7 +24,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.ops.matmul import linear
 from detlora.study.bench_matmul import LAYERS
 

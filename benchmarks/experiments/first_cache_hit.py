@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from triton import knobs
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.study.bench_prefix_cache import PrefixPlan, make_llm, write_assets
 
 EVENTS: list[dict] = []

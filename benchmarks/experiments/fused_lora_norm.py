@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_expand_add_rms_norm import lora_expand_add_rms_norm
@@ -19,7 +20,6 @@ from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
 from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.rms_norm import fused_add_rms_norm
 from detlora.ops.silu_and_mul import silu_and_mul
-from detlora.study.timing import time_graph_us
 
 DEV, R, SLOTS = "cuda", 16, 4
 

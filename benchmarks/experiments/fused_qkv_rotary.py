@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
@@ -21,7 +22,6 @@ from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.paged_attention import write_kv
 from detlora.ops.rotary import rope_cos_sin_cache, rotary
 from detlora.ops.rotary_write_kv import rotary_write_kv
-from detlora.study.timing import time_graph_us
 
 DEV, R, SLOTS, HQ, HK, D, PAGE, CALLS = "cuda", 16, 4, 24, 8, 128, 16, 30
 OFFSETS = [0, HQ * D, (HQ + HK) * D, (HQ + 2 * HK) * D]

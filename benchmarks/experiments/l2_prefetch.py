@@ -28,11 +28,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.engine import model_runner
 from detlora.ops.matmul import linear
 from detlora.study.engine_variants import time_variants
-from detlora.study.timing import time_graph_us
 
 SHAPES = {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)}
 CYCLES_PER_US = 1980  # H200 SM clock under load (nvidia_smi.txt)

@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops._runtime import cdiv
 from detlora.ops.matmul import matmul_config
 from detlora.study.bench_matmul import LAYERS
-from detlora.study.timing import time_graph_us
 
 
 @triton.jit

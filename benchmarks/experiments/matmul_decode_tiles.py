@@ -13,7 +13,7 @@ import itertools
 import json
 import sys
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.ops.matmul import MatmulConfig, _load_fits, k_split, matmul_config
 from detlora.study.bench_matmul import _inputs, time_cublas, time_detlora
 

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.ops.matmul import _load_fits, linear, matmul_config
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 

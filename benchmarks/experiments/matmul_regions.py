@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops.matmul import MatmulConfig, k_split, linear, matmul_config
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
-from detlora.study.timing import time_graph_us
 
 POINTS = (("llama_qkv", 256), ("llama_qkv", 1024), ("llama_o", 256), ("llama_o", 1024),
           ("llama_down", 256), ("llama_down", 1024), ("llama_gate_up", 256),

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
-from detlora.study.timing import time_graph_us
 
 BM, BN, BK, WARPS, STAGES = 128, 128, 64, 8, 4
 FULL, LOADS, MMA = 0, 1, 2

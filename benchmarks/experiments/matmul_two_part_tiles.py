@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.ops import matmul as mm
 from detlora.ops._runtime import cdiv
 from detlora.ops.matmul import MatmulConfig, k_split, linear, matmul_config

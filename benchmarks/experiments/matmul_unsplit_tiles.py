@@ -12,7 +12,7 @@ call.
 import json
 import sys
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.ops.matmul import MatmulConfig, k_split, matmul_config
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 

@@ -30,10 +30,10 @@ import sys
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 from detlora.ops import matmul as mm
 from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas
-from detlora.study.timing import time_graph_us
 
 SRC_PATH = mm.__file__
 with open(SRC_PATH) as f:

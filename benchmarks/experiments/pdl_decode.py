@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.lora.request import LoRARequest
 from detlora.study import bench_engine as be
 from detlora.study import profile_engine as pe

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.config import SamplingParams
 from detlora.lora.request import LoRARequest
 from detlora.study import bench_engine as be

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.config import SamplingParams
 from detlora.engine import logit_adjust as la
 from detlora.engine.copy_fence import PinnedStaging

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import detlora.engine.llm_engine as le
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.lora.request import LoRARequest
 from detlora.study import bench_engine as be
 

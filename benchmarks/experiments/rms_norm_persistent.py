@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops.rms_norm import (
     fused_add_rms_norm,
     inv_rms,
@@ -31,7 +32,6 @@ from detlora.ops.rms_norm import (
     rms_norm_config,
 )
 from detlora.study.bench_rowwise import HBM_BYTES_PER_S, _rms_bytes
-from detlora.study.timing import input_sets_for, time_graph_us
 
 EPS = 1e-5
 

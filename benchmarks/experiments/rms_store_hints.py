@@ -14,8 +14,8 @@ import sys
 
 import torch
 
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.study.bench_rowwise import HBM_BYTES_PER_S, _rms_bytes
-from detlora.study.timing import input_sets_for, time_graph_us
 
 with open("src/detlora/ops/rms_norm.py") as f:
     SRC = f.read()

@@ -15,11 +15,11 @@ import os
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.engine.token_filter import filter_logits
 from detlora.ops.rank_cut import rank_cut
 from detlora.ops.softmax import log_softmax
-from detlora.study.timing import time_graph_us
+from benchmarks.harness.timing import time_graph_us
 
 VOCAB = 128256
 rows = []

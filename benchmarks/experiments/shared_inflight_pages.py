@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from detlora.cli import results_meta
+from benchmarks.harness import results_meta
 from detlora.config import SamplingParams
 from detlora.engine.llm import LLM
 from detlora.study.demo import build_demo_assets

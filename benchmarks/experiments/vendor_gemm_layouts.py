@@ -14,8 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from detlora.cli import results_meta
-from detlora.study.timing import time_graph_us
+from benchmarks.harness import results_meta
+from benchmarks.harness.timing import time_graph_us
 
 DEV, CALLS = "cuda", 30
 SHAPES = {"qkv": (5120 + 48, 3072), "o": (3072 + 16, 3072), "gate_up": (16384 + 32, 3072),

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops import paged_attention as pa
 from detlora.ops.paged_attention_split_kv import paged_attention_split_kv
-from detlora.study.timing import input_sets_for, time_graph_us
 
 MODELS = {"llama3b": (24, 8, 128), "qwen3_0_6b": (16, 8, 128)}  # (q heads, kv heads, D)
 PAGE = 16

@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    from detlora.cli import results_meta, write_results
+    from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m detlora.study.bench_engine", *(argv or sys.argv[1:])])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops.matmul import (
     KSplit,
     MatmulConfig,
@@ -32,7 +33,6 @@ from detlora.ops.matmul import (
     matmul,
     matmul_config,
 )
-from detlora.study.timing import input_sets_for, time_graph_us
 
 # Layer name -> weight shape (N, K) as nn.Linear stores it.
 LAYERS: dict[str, tuple[int, int]] = {
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="split,persistent",
                         help="sweep: kernel paths to time (split, persistent)")
     args = parser.parse_args(argv)
-    from detlora.cli import results_meta
+    from benchmarks.harness import results_meta
 
     command = " ".join(["python -m detlora.study.bench_matmul", *(argv or sys.argv[1:])])
     if args.sweep:

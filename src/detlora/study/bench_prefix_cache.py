@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/prefix_caching.json")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    from detlora.cli import results_meta, write_results
+    from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m detlora.study.bench_prefix_cache", *(argv or sys.argv[1:])])
     result = run(quick=args.quick)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops.embedding import embedding
 from detlora.ops.reductions import argmax, mean
 from detlora.ops.rms_norm import (
@@ -34,7 +35,6 @@ from detlora.ops.rms_norm import (
 from detlora.ops.rotary import rope_cos_sin_cache, rotary
 from detlora.ops.silu_and_mul import silu_and_mul
 from detlora.ops.softmax import log_softmax, softmax
-from detlora.study.timing import input_sets_for, time_graph_us
 
 HBM_BYTES_PER_S = 4.3e12  # H200 (DESIGN.md, "Measuring")
 BATCH_SIZES = (2, 3, 7, 16, 64, 128, 257, 1024, 4096)

@@ -48,7 +48,7 @@ def run(parts: list[str], log=print, part_dir: Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from detlora.cli import results_meta
+    from benchmarks.harness import results_meta
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/batch_invariant_ops.json")

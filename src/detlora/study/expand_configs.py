@@ -8,7 +8,7 @@ every M), so they are free to tune.
 * ``kernel``: the four projections of the Llama-3.2-3B shape (q|k|v, o, gate|up, down), rank
   16, two adapter slots, every row on slot 0, fed the way the engine feeds them (``in_gemm``:
   bf16 x A^T columns after x W^T in one output); M in ``--ms``; every tile in the grid below;
-  CUDA-graph replay (``study.timing``).
+  CUDA-graph replay (``benchmarks.harness.timing``).
 * ``engine``: ``fast``, then ``run_to_run`` with the default tiles and with the tiles that
   were fastest summed over the four projections at each M (rows up to 16 and up to 64 take
   their M's winner), batch 64, timed like ``bench_engine``.
@@ -69,7 +69,7 @@ def _case(widths: tuple[int, ...], m: int,
 
 
 def kernel_rows(ms: tuple[int, ...], log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from detlora.study.timing import time_graph_us
+    from benchmarks.harness.timing import time_graph_us
 
     rows = []
     for m in ms:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ms", default="16,64", help="rows per call, comma-separated")
     parser.add_argument("--no-engine", action="store_true", help="the kernel sweep only")
     args = parser.parse_args(argv)
-    from detlora.cli import results_meta, write_results
+    from benchmarks.harness import results_meta, write_results
 
     try:
         ms = tuple(int(m) for m in args.ms.split(","))

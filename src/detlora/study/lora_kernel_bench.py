@@ -1,24 +1,27 @@
 """LoRA kernel study: replay reproducibility, batch invariance and latency (GPU).
 
-Writes the results file of ``benchmarks/results/lora_kernels.json``; ``detlora bench kernels``
-and ``benchmarks/lora_kernels.py`` both run :func:`run`.
+Writes ``benchmarks/results/lora_kernels.json``:
+
+    python -m detlora.study.lora_kernel_bench --out benchmarks/results/lora_kernels.json
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
 
+from benchmarks.harness.timing import input_sets_for, time_graph_us
 from detlora.ops.adapter_groups import AdapterGroups, group_tokens
 from detlora.ops.lora_configs import ShrinkConfig, shrink_config, vllm_default_shrink_config
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_shrink import lora_shrink
 from detlora.study.replay import replay
-from detlora.study.timing import input_sets_for, time_graph_us
 
 REDUCTIONS = ("atomic", "unsplit", "ordered", "ordered_bi", "tree")
 DETERMINISTIC = ("unsplit", "ordered", "ordered_bi", "tree")
@@ -362,3 +365,28 @@ def run(plan: BenchPlan, log: Callable[[str], None] = print, sweep_only: bool = 
     result["targets"] = summarize_targets(result["latency"])
     log(f"targets: {result['targets']}")
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/lora_kernels.json")
+    parser.add_argument("--quick", action="store_true", help="a small grid, for smoke tests")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate tilings")
+    parser.add_argument("--sweep-only", action="store_true", help="time candidate tilings only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the LoRA kernel benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from benchmarks.harness import results_meta, write_results
+
+    plan = BenchPlan.quick() if args.quick else BenchPlan()
+    if args.sweep or args.sweep_only:
+        plan = replace(plan, sweep_ms=(1, 16, 64, 256, 1024, 4096))
+    command = " ".join(["python -m detlora.study.lora_kernel_bench", *(argv or sys.argv[1:])])
+    result = run(plan, sweep_only=args.sweep_only)
+    write_results(args.out, {"meta": results_meta(command), **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

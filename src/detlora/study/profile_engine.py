@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
                batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
                lora_reduction=args.lora_reduction, overlap=args.overlap)
-    from detlora.cli import results_meta
+    from benchmarks.harness import results_meta
 
     command = " ".join(["python -m detlora.study.profile_engine", *(argv or sys.argv[1:])])
     body = {"meta": results_meta(command), **body}

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="hidden elements per chunk, comma-separated (>= K: one chunk, "
                              "no split)")
     args = parser.parse_args(argv)
-    from detlora.cli import results_meta, write_results
+    from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m detlora.study.shrink_chunks", *(argv or sys.argv[1:])])
     try:

@@ -1,4 +1,4 @@
-"""Kernel timing by CUDA-graph replay (DESIGN.md, "Measuring").
+"""Kernel timing by CUDA-graph replay.
 
 One graph holds ``n`` calls, each on its own input set, so that the sets together exceed the
 L2 cache and no call finds its operands already cached; replays are timed with CUDA events,
@@ -7,13 +7,12 @@ warm-up excluded, and the median per-call time is reported.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 from collections.abc import Callable, Sequence
 
 import torch
 
-L2_BYTES = 60 * 1024 * 1024  # H200: 60 MB (read off the device in KINDS.md)
+L2_BYTES = 60 * 1024 * 1024  # the H200's L2: 60 MB
 
 
 def input_sets_for(bytes_per_call: int, max_sets: int = 256, min_sets: int = 8) -> int:
@@ -53,20 +52,3 @@ def time_graph_us(
         times.append(start.elapsed_time(end) * 1000.0 / len(calls))
     del graph
     return statistics.median(times)
-
-
-def environment() -> dict[str, str]:
-    """GPU, driver, torch and triton versions for a results file's meta block."""
-    import platform
-    import subprocess
-
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
-    driver = "none"
-    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip().splitlines()[0]
-    return {"gpu": gpu, "driver": driver, "torch": torch.__version__, "triton": triton.__version__}

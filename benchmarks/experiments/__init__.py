@@ -1,0 +1,1 @@
+"""One-off lab experiments, one question each: ``python -m benchmarks.experiments.NAME``."""

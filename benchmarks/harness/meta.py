@@ -1,0 +1,51 @@
+"""The ``meta`` block of a results file: where, on what and from which commit it was measured."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment() -> dict[str, str]:
+    """GPU, driver, torch and triton versions."""
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    driver = "none"
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip().splitlines()[0]
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__, "triton": triton.__version__}
+
+
+def commit_id() -> str:
+    """The checkout's commit: ``$DETLORA_COMMIT`` if set (a copy without .git), else git's."""
+    env = os.environ.get("DETLORA_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=REPO_ROOT,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def results_meta(command: str) -> dict[str, str]:
+    """GPU, driver, torch, triton, commit, UTC date and the command that made the results."""
+    return {
+        **environment(),
+        "commit": commit_id(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
