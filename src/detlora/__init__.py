@@ -1,5 +1,7 @@
 """detlora: bit-reproducible LLM inference with LoRA adapters."""
 
+from importlib import metadata as _metadata
+
 from detlora.batch_invariant import (
     batch_invariant,
     disable_batch_invariant_mode,
@@ -7,11 +9,14 @@ from detlora.batch_invariant import (
     is_batch_invariant_mode_enabled,
 )
 from detlora.config import Determinism, LoRAReduction, SamplingParams
-from detlora.engine.llm import LLM
 from detlora.engine.outputs import CompletionOutput, RequestOutput
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("detlora")
+except _metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH=src)
+    __version__ = "0+source"
 __all__ = [
     "LLM",
     "CompletionOutput",

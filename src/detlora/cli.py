@@ -79,7 +79,7 @@ def _read_prompts(args: argparse.Namespace) -> list[dict]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     _prepare_runtime()
     from detlora.config import SamplingParams
-    from detlora.engine.llm import LLM
+    from detlora.entrypoints.llm import LLM
     from detlora.lora.request import LoRARequest
 
     try:

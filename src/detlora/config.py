@@ -53,6 +53,9 @@ class LoRAReduction(str, Enum):
             raise ValueError(f"reduction must be one of {names}, got {value!r}") from None
 
 
+# The level an engine (or a backend) gets when none is asked for, on every device.
+DEFAULT_DETERMINISM = Determinism.BATCH_INVARIANT
+
 # The reduction each level uses unless ``lora_reduction`` overrides it. The deterministic
 # levels take in_gemm: at batch 64 on the H200 a decode replay took 3430 us against 3633-3652
 # us with the ordered shrink beside the GEMM (run_to_run), and 4059 against 4301-4320 us with
@@ -91,9 +94,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
-    stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/stop_strings.py
+    stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/sample/stop_strings.py
     include_stop_str_in_output: bool = False
-    # Logit adjustments, in vLLM's order (engine/logit_adjust.py): allowed tokens, bias, then
+    # Logit adjustments, in vLLM's order (engine/sample/logit_adjust.py): allowed tokens, bias, then
     # penalties over the prompt and output tokens (repetition) or the output (the other two);
     # min_p (above) cuts last.
     repetition_penalty: float = 1.0
@@ -240,7 +243,7 @@ class EngineConfig:
 
     @property
     def resolved_determinism(self) -> Determinism:
-        return self.determinism or Determinism.BATCH_INVARIANT
+        return self.determinism or DEFAULT_DETERMINISM
 
     @property
     def resolved_prefix_caching(self) -> bool:

@@ -1,5 +1,5 @@
 """The inference engine: sequences, paged KV blocks, continuous batching, model runner (CUDA
 graphs for decode), batch-invariant sampler, fingerprints and the ``LLM`` API.
 
-Import submodules directly (``detlora.engine.llm``); importing this package loads nothing.
+Import submodules directly (``detlora.entrypoints.llm``); importing this package loads nothing.
 """

@@ -6,11 +6,13 @@ So the hash covers the weights, the request's adapter, dtype, determinism level,
 reduction, which implementation runs every op, the source of the code that computes (ops,
 layers, models, lora, engine: kernel configurations live there), library versions, and the
 device (GPU model and CUDA version, or the CPU model and the vector ISA torch dispatches to).
-It may change when outputs do not (e.g. a comment edited in an op file); never the reverse.
+Source enters as syntax trees without docstrings, so an edited comment or docstring leaves
+fingerprints unchanged while any change to executable code changes them.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import platform
@@ -22,20 +24,42 @@ from typing import Any
 
 import torch
 
-import detlora
+# The code that computes: its behaviour, not its prose, goes into the fingerprint.
+_SOURCE_DIRS = ("ops", "layers", "models", "lora", "engine", "distributed")
+_SOURCE_FILES = ("config.py",)
+_ROOT = Path(__file__).resolve().parents[1]
 
-_SOURCE_DIRS = ("ops", "layers", "models", "lora", "engine")
+
+def code_digest(source: str) -> str:
+    """sha256 of a module's syntax tree with docstrings removed (comments never reach it):
+    editing prose leaves it unchanged, any change to what runs changes it."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()
 
 
 @cache
 def source_digest() -> str:
-    """sha256 over the package's compute code (file names and bytes, sorted)."""
-    root = Path(detlora.__file__).resolve().parent
+    """sha256 over the compute code (each module's ``code_digest``) and its data files (tuned
+    tables, as parsed JSON), by relative path."""
     h = hashlib.sha256()
+    paths = [_ROOT / f for f in _SOURCE_FILES]
     for sub in _SOURCE_DIRS:
-        for path in sorted((root / sub).rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
+        paths += (_ROOT / sub).rglob("*.py")
+        paths += (_ROOT / sub).rglob("*.json")
+    for path in sorted(paths):
+        if path.suffix == ".py":
+            digest = code_digest(path.read_text())
+        else:
+            digest = json.dumps(json.loads(path.read_text()), sort_keys=True)
+        h.update(str(path.relative_to(_ROOT)).encode() + b"\0" + digest.encode() + b"\0")
     return h.hexdigest()
 
 
@@ -82,7 +106,7 @@ def engine_fingerprint_parts(
         "settings": dict(settings),
         "source": source_digest(),
         "versions": {"torch": torch.__version__, "triton": _version("triton"),
-                     "detlora": detlora.__version__},
+                     "detlora": _version("detlora")},
         "device": device_description(device),
     }
 

@@ -16,20 +16,20 @@ from pathlib import Path
 import torch
 
 from detlora.config import Determinism, EngineConfig, SamplingParams
-from detlora.engine import cpu_invariant_ops, kv_sizing
-from detlora.engine.block_hashes import UNREAD
-from detlora.engine.block_manager import BlockManager
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
-from detlora.engine.logit_adjust import has_adjustments, row_adjust
-from detlora.engine.model_runner import ModelRunner
 from detlora.engine.outputs import CompletionOutput, RequestOutput
-from detlora.engine.sampler import PendingSample, Sampler, SampleRequest, derive_seed
-from detlora.engine.scheduler import Scheduler, SchedulerOutput
-from detlora.engine.sequence import FinishReason
-from detlora.engine.sequence import Sequence as Seq
-from detlora.engine.step_inputs import StepInputs, build_step_inputs
-from detlora.engine.stop_strings import match_stop_string
-from detlora.layers.backend import OpBackend, make_backend
+from detlora.engine.runner import kv_sizing
+from detlora.engine.runner.model_runner import ModelRunner
+from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
+from detlora.engine.sample.logit_adjust import has_adjustments, row_adjust
+from detlora.engine.sample.sampler import PendingSample, Sampler, SampleRequest, derive_seed
+from detlora.engine.sample.stop_strings import match_stop_string
+from detlora.engine.sched.block_hashes import UNREAD
+from detlora.engine.sched.block_manager import BlockManager
+from detlora.engine.sched.scheduler import Scheduler, SchedulerOutput
+from detlora.engine.sched.sequence import FinishReason
+from detlora.engine.sched.sequence import Sequence as Seq
+from detlora.layers.backend import make_backend
 from detlora.lora.request import LoRARequest
 
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
@@ -65,15 +65,6 @@ def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> t
     if device.type == "cpu":
         return torch.float32
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def cpu_invariant_backend(backend: OpBackend) -> OpBackend:
-    """The CPU reference backend with the batch-invariant CPU GEMMs and attention."""
-    impls = dict(backend.impls)
-    names = ("linear", "paged_attention", "lora_shrink", "lora_expand")
-    impls |= {op: f"engine.cpu_invariant_ops.{op}" for op in names}
-    return dataclasses.replace(backend, impls=impls,
-                               **{op: getattr(cpu_invariant_ops, op) for op in names})
 
 
 def stop_token_ids_of(model_dir: str | Path) -> tuple[int, ...]:
@@ -128,8 +119,6 @@ class LLMEngine:
 
         backend = make_backend(self.device, self.determinism, self.lora_reduction,
                                dtype=self.dtype, max_lora_rank=config.max_lora_rank)
-        if self.device.type == "cpu" and self.determinism is Determinism.BATCH_INVARIANT:
-            backend = cpu_invariant_backend(backend)
         self.backend = backend
         lora_config = (LoRAConfig(config.max_loras, config.max_lora_rank)
                        if config.enable_lora else None)
@@ -147,7 +136,8 @@ class LLMEngine:
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
         # The runner hands over the LM head's output in the model's dtype (not upcast).
         self.sampler = Sampler(backend.argmax, backend.log_softmax,
-                               chosen_logprob=backend.chosen_logprob, logits_dtype=self.dtype)
+                               chosen_logprob=backend.chosen_logprob, logits_dtype=self.dtype,
+                               kernels=backend.sampling_kernels)
         self.runner = ModelRunner(
             self.model, greedy_head=self.sampler.greedy_head, device=self.device,
             num_blocks=num_blocks, block_size=config.block_size,

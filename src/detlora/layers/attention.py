@@ -16,7 +16,7 @@ from detlora.layers.rotary import RotaryEmbedding
 from detlora.ops.adapter_groups import AdapterGroups
 
 if TYPE_CHECKING:  # the contract lives in models/; layers only read it
-    from detlora.models.forward_batch import AttentionMetadata
+    from detlora.layers.forward_batch import AttentionMetadata
 
 
 class Attention(nn.Module):

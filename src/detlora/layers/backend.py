@@ -5,8 +5,9 @@ the op's torch reference (``detlora.ops.<op>.<op>_ref``). ``make_backend`` binds
 device and determinism level:
 
 * CPU: every op is its torch reference, so the engine runs anywhere (fp32 or bf16). The
-  references add no nondeterminism of their own; the CPU BLAS makes no batch-invariance
-  promise, so on the CPU the levels differ only in the LoRA reduction they record.
+  references add no nondeterminism of their own, but whole-batch BLAS calls are not
+  batch-invariant, so ``batch_invariant`` swaps in ``detlora.ops.cpu_invariant`` for the
+  linear, the LoRA shrink and expand and attention (fixed-shape tiles).
 * CUDA: ``fast`` = cuBLAS linear + atomic LoRA shrink + split-KV attention + the detlora
   row-wise kernels; ``run_to_run`` = the same with the LoRA shrink inside the cuBLAS GEMM
   (``in_gemm``); ``batch_invariant`` = the split-invariant detlora linear (the shrink inside
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from detlora.config import DEFAULT_LORA_REDUCTION, Determinism, LoRAReduction
+from detlora.config import DEFAULT_DETERMINISM, DEFAULT_LORA_REDUCTION, Determinism, LoRAReduction
 from detlora.ops._runtime import interpreting
 
 
@@ -75,6 +76,15 @@ class OpBackend:
     # log_softmax op's bits for one column per row; None: the sampler gathers it from a
     # full log_softmax.
     chosen_logprob: Callable[..., torch.Tensor] | None = None
+    # The sampler's Gumbel-max and top-k/top-p filters: Triton kernels (True) or their torch
+    # references; both give the same tokens.
+    sampling_kernels: bool = False
+
+    @property
+    def lora_in_gemm(self) -> bool:
+        """True when every adapter slot's A rides as extra output columns of the base
+        weight, so linear layers reserve room for them."""
+        return self.lora_reduction is LoRAReduction.IN_GEMM
 
     @property
     def name(self) -> str:
@@ -178,16 +188,14 @@ def make_backend(
     kernels: bool | None = None,
     allow_reference_fallback: bool = False,
 ) -> OpBackend:
-    """Bind every op for ``device`` and ``determinism`` (default: batch_invariant on CUDA,
-    run_to_run on CPU). ``lora_reduction`` overrides the level's LoRA shrink reduction.
+    """Bind every op for ``device`` and ``determinism`` (default: ``DEFAULT_DETERMINISM``).
+    ``lora_reduction`` overrides the level's LoRA shrink reduction.
     ``dtype`` is the model dtype; the kernels take bf16/fp16 only. ``kernels`` (default: on
     CUDA only) binds the Triton kernels; on the CPU that needs ``TRITON_INTERPRET=1``, which
     runs the CUDA path in Triton's interpreter (tests), and False on CUDA runs the torch
     references there (debugging)."""
     device = torch.device(device)
-    if determinism is None:
-        determinism = Determinism.BATCH_INVARIANT if device.type == "cuda" else "run_to_run"
-    level = Determinism.parse(determinism)
+    level = DEFAULT_DETERMINISM if determinism is None else Determinism.parse(determinism)
     reduction = (
         DEFAULT_LORA_REDUCTION[level]
         if lora_reduction is None
@@ -227,11 +235,23 @@ def _reference_backend(
         return lora_expand_ref(y, shrink_out, lora_b, groups.token_adapter, slice_offsets)
 
     impls = {op: f"{mod}.{ref}" for op, (mod, ref, _) in _OPS.items()}
-    impls |= {"lora_shrink": _shrink_impl(reduction, impls, "lora_shrink.lora_shrink_ref"),
+    impls |= {"lora_shrink": "lora_shrink.lora_shrink_ref",
               "lora_expand": "lora_expand.lora_expand_ref"}
-    return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
-                     determinism=level, lora_reduction=reduction,
+    ops |= {"lora_shrink": shrink, "lora_expand": expand}
+    if level is Determinism.BATCH_INVARIANT and device.type == "cpu":
+        # Whole-batch BLAS calls change a row's bits with the batch: fixed-shape tiles instead.
+        from detlora.ops import cpu_invariant
+
+        for op in _CPU_INVARIANT_OPS:
+            ops[op] = getattr(cpu_invariant, op)
+            impls[op] = f"cpu_invariant.{op}"
+    impls["lora_shrink"] = _shrink_impl(reduction, impls, impls["lora_shrink"])
+    return OpBackend(**ops, device=device, determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls))
+
+
+# Ops whose torch references reduce in whole-batch BLAS calls (see ``detlora.ops.cpu_invariant``).
+_CPU_INVARIANT_OPS = ("linear", "paged_attention", "lora_shrink", "lora_expand")
 
 
 def _shrink_impl(reduction: LoRAReduction, impls: Mapping[str, str], kernel: str) -> str:
@@ -323,7 +343,7 @@ def _kernel_backend(
                   "lora_expand_rotary_write_kv.lora_expand_rotary_write_kv"}
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
-                     impls=MappingProxyType(impls),
+                     impls=MappingProxyType(impls), sampling_kernels=device.type == "cuda",
                      lora_expand_silu_and_mul=lora_expand_silu_and_mul,
                      # The engine checks positions once per step; a sync breaks graph capture.
                      rotary_write_kv=functools.partial(rotary_write_kv, validate=False),

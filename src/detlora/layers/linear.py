@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from detlora.config import LoRAReduction
 from detlora.layers.backend import OpBackend
 from detlora.layers.lora_slots import LoRAConfig, LoRASlots, PendingLoRA
 from detlora.ops.adapter_groups import AdapterGroups
@@ -56,7 +55,7 @@ class LinearBase(nn.Module):
         # in_gemm: the slots' A rows follow W's in one weight, so one GEMM gives x W^T and
         # x A^T. weight (and bias) are views of the first n rows; the A rows start at zero.
         extra = (lora.max_loras * len(local_out) * lora.max_lora_rank
-                 if lora and backend.lora_reduction is LoRAReduction.IN_GEMM else 0)
+                 if lora and backend.lora_in_gemm else 0)
         gemm_weight = torch.empty(n + extra, local_in, dtype=dtype, device=device)
         gemm_weight[n:].zero_()
         self.weight = nn.Parameter(gemm_weight[:n], requires_grad=False)

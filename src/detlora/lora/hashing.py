@@ -4,12 +4,9 @@ two adapters hash equal exactly when they change a model's outputs the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
+from detlora.lora.adapter import LoRAModuleWeights
 from detlora.models.weights_hash import combine_digests, tensor_digest
-
-if TYPE_CHECKING:
-    from detlora.lora.peft_loader import LoRAModuleWeights
 
 
 def adapter_hash(modules: Mapping[str, LoRAModuleWeights]) -> str:

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from detlora.lora.peft_loader import LoRAAdapter, load_peft_adapter
+from detlora.layers.forward_batch import LoRABatch
+from detlora.lora.adapter import LoRAAdapter
+from detlora.lora.peft_loader import load_peft_adapter
 from detlora.lora.request import LoRARequest
 from detlora.models.causal_lm import DecoderForCausalLM
-from detlora.models.forward_batch import LoRABatch
 from detlora.ops.adapter_groups import group_tokens
 
 

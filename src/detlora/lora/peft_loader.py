@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -23,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from detlora.json_files import read_json_object
+from detlora.lora.adapter import LoRAAdapter, LoRAModuleWeights
 from detlora.lora.hashing import adapter_hash
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,33 +51,6 @@ _UNSUPPORTED = {
 # module name in the base model <- key in adapter_model.safetensors
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class LoRAModuleWeights:
-    """One targeted projection: y += scale * (x A^T) B^T."""
-
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [out, r]
-    scale: float
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
-
-
-@dataclass(frozen=True)
-class LoRAAdapter:
-    """A checked adapter, on the CPU in its stored dtype, keyed by base-model module name
-    (e.g. ``model.layers.0.self_attn.q_proj``)."""
-
-    path: str
-    modules: Mapping[str, LoRAModuleWeights]
-    hash: str
-
-    @property
-    def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
 
 
 def load_peft_adapter(

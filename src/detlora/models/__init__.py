@@ -1,5 +1,5 @@
 """Models: Hugging Face config.json + safetensors -> DecoderForCausalLM (Llama, Qwen3).
 
 Submodules are imported directly (``detlora.models.loader``); this package imports nothing so
-that layers can read ``detlora.models.forward_batch`` without a cycle.
+that layers can read ``detlora.layers.forward_batch`` without a cycle.
 """

@@ -31,12 +31,12 @@ from detlora.layers.attention import Attention
 from detlora.layers.backend import OpBackend
 from detlora.layers.decoder_layer import DecoderLayer
 from detlora.layers.embedding import VocabEmbedding
+from detlora.layers.forward_batch import ForwardBatch
 from detlora.layers.linear import Linear, LinearBase
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.layers.mlp import GatedMLP
 from detlora.layers.norm import RMSNorm
 from detlora.layers.rotary import RotaryEmbedding
-from detlora.models.forward_batch import ForwardBatch
 from detlora.models.kv_cache import KVCache
 from detlora.models.spec import ModelSpec
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
+from detlora.ops.tuned_configs import tuned_config
 
 # ordered_bi's tree: chunks of this many hidden elements in BLOCK_K = 128 steps, 3 per group.
 BI_CHUNK = 256
@@ -124,20 +125,11 @@ def _trim_split(cfg: ShrinkConfig, hidden: int) -> ShrinkConfig:
                         cfg.num_stages, cfg.group_chunks, cfg.cta_covers)
 
 
-# Tilings measured best on the H200 (benchmarks/results/lora_sweep.json: H = 3072 and 4096,
-# r = 16 and 64, 1 and 3 slices; BLOCK_N = 16 won everywhere: the shrink is latency-bound, so
-# more CTAs beat wider tiles). Up to 64 rows the engine runs the shrink beside its base GEMM,
-# where 768-element chunks (a third of the CTAs of the 256 that won alone) slow the GEMM less:
-# the engine went from 13557 to 13929 tok/s at batch 64 and from 2.94 to 2.85 ms per token at
-# batch 1 (benchmarks/results/r2r_shrink_chunks.json). Rows: (largest M, hidden elements per
-# chunk, BLOCK_M, BLOCK_K, warps).
-_ORDERED_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (16, 768, 16, 128, 4),
-    (64, 768, 32, 128, 4),
-    (256, 768, 32, 256, 2),
-    (1024, 768, 32, 128, 2),
-    (1 << 62, 1536, 64, 128, 4),
-)
+# The ordered shrink's tilings (configs/lora_shrink.json), by the largest row count each serves:
+# (largest M, hidden elements per chunk, BLOCK_M, BLOCK_K, warps).
+_ORDERED_TABLE: tuple[tuple[int, int, int, int, int], ...] = tuple(
+    (1 << 62 if t["max_rows"] is None else t["max_rows"], t["chunk_elements"], t["block_m"],
+     t["block_k"], t["num_warps"]) for t in tuned_config("lora_shrink")["ordered"])
 
 
 def _unsplit_config(num_rows: int) -> ShrinkConfig:

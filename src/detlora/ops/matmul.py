@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from detlora.ops._runtime import cdiv
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.matmul_workspace import MatmulWorkspace, default_workspace
+from detlora.ops.tuned_configs import tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -164,35 +165,22 @@ class MatmulConfig:
         return self.load_k or self.k_split.block_k
 
 
-# Persistent tile shapes: (BLOCK_M, BLOCK_N, warps, stages, CTAs per SM, relative speed of one
-# SM on that tile). The speeds are estimates for the H200; bench_matmul.sweep() measures them.
-_PERSISTENT_TILES = (
-    (128, 256, 8, 3, 1, 1.0),
-    (128, 128, 8, 4, 1, 0.85),
-    (64, 128, 4, 4, 2, 0.7),
-)
-
-# Two-part tiles (BLOCK_M, BLOCK_N, BLOCK_N2, warps, stages, relative speed as above), one CTA
-# per tile, tried beside the persistent tiles when S = 1 and they make one wave that fills at
-# least ``_TWO_PART_MIN_FILL`` of the SMs (matmul_two_part_tiles.json, H200: llama qkv at
-# M = 1024 56.3 -> 47.0 us on 128x320, llama o 35.3 -> 32.0 and down 81.6 -> 78.2 us on
-# 128x192, against 128x128 x 3 waves and 128x256 on 96 SMs; the speeds are those runs' rates
-# per SM over 128x256's). Checked at every M (multiples of 64) where the rule picks one, on the
-# Llama and Qwen layers: 1.01-1.25x faster in 54 of 54 (matmul_two_part_rule.json).
-_TWO_PART_TILES = (
-    (128, 256, 64, 8, 3, 1.03),
-    (128, 128, 64, 8, 4, 0.93),
-)
-_TWO_PART_MIN_FILL = 0.85
-
-# One-CTA-per-tile shapes for an unsplit K at a few hundred rows, largest first: (BLOCK_M,
-# BLOCK_N, warps, stages, widest load), measured on the H200 (matmul_unsplit_tiles.json).
-_GRID_TILES = (
-    (128, 128, 8, 4, 64),
-    (128, 64, 4, 4, 128),
-    (64, 64, 4, 4, 128),
-    (64, 32, 4, 4, 256),
-)
+# Tile shapes measured on the H200 (configs/matmul.json). Persistent: (BLOCK_M, BLOCK_N, warps,
+# stages, CTAs per SM, relative speed of one SM on that tile). Two-part, one CTA per tile when
+# S = 1 and one wave fills at least ``_TWO_PART_MIN_FILL`` of the SMs: (BLOCK_M, BLOCK_N,
+# BLOCK_N2, warps, stages, relative speed). Grid, one CTA per tile for an unsplit K at a few
+# hundred rows, largest first: (BLOCK_M, BLOCK_N, warps, stages, widest load).
+_TILES = tuned_config("matmul")
+_PERSISTENT_TILES = tuple(
+    (t["block_m"], t["block_n"], t["num_warps"], t["num_stages"], t["ctas_per_sm"],
+     t["relative_speed"]) for t in _TILES["persistent"])
+_TWO_PART_TILES = tuple(
+    (t["block_m"], t["block_n"], t["block_n2"], t["num_warps"], t["num_stages"],
+     t["relative_speed"]) for t in _TILES["two_part"])
+_TWO_PART_MIN_FILL = _TILES["two_part_min_fill"]
+_GRID_TILES = tuple(
+    (t["block_m"], t["block_n"], t["num_warps"], t["num_stages"], t["widest_load"])
+    for t in _TILES["grid"])
 
 
 def matmul_config(

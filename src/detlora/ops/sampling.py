@@ -1,5 +1,5 @@
 """Sampling ops: Gumbel-max over hashed noise, and the temperature / top-k / top-p filter of
-``detlora.engine.token_filter`` (fixed-point top-p masses, no scatter).
+``detlora.engine.sample.token_filter`` (fixed-point top-p masses, no scatter).
 
 Semantics:
     Noise (torch reference, int64 tensors holding 32-bit values, identical on CPU and GPU):

@@ -223,7 +223,7 @@ class _Workload:
 
 
 def _engine(model_dir: Path, mode: str, plan: BenchPlan, **kw: Any) -> Any:
-    from detlora.engine.llm import LLM
+    from detlora.entrypoints.llm import LLM
 
     args = dict(enable_lora=True, max_loras=2, max_lora_rank=plan.shape.rank, determinism=mode,
                 max_model_len=plan.prompt_len + plan.output_len + 16,

@@ -74,7 +74,7 @@ def write_assets(root: Path, plan: PrefixPlan) -> tuple[Path, Any, _Prompts]:
 
 def make_llm(model_dir: Path, plan: PrefixPlan, mode: str, caching: bool) -> Any:
     """The engine every run of the workload uses (one adapter slot, 8192-token steps)."""
-    from detlora.engine.llm import LLM
+    from detlora.entrypoints.llm import LLM
 
     return LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=plan.shape.rank,
                determinism=mode, max_model_len=plan.shared_len + plan.unique_len + 16,

@@ -180,7 +180,7 @@ def run_demo(
     log: Callable[[str], None] = print,
 ) -> list[CheckResult]:
     from detlora.config import SamplingParams
-    from detlora.engine.llm import LLM
+    from detlora.entrypoints.llm import LLM
     from detlora.lora.request import LoRARequest
 
     on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -320,7 +320,7 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
 
 
 def _fake_seqs(w: Any, b: int) -> list[Any]:
-    from detlora.engine.sequence import Sequence as Seq
+    from detlora.engine.sched.sequence import Sequence as Seq
 
     return [Seq(seq_id=k, request_id=str(k), prompt=None, prompt_token_ids=w.prompts[k],
                 params=w.params[k], sample_seed=k, max_len=10**6, lora=None)

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from detlora.engine.block_manager import BlockManager
-from detlora.engine.sequence import FinishReason, Sequence, SequenceStatus
+from detlora.engine.sched.block_manager import BlockManager
+from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from detlora.engine.scheduler import SchedulerOutput
+from detlora.engine.sched.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

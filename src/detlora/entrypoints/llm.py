@@ -15,9 +15,9 @@ from pathlib import Path
 from detlora.config import Determinism, EngineConfig, LoRAReduction, SamplingParams
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.outputs import RequestOutput
-from detlora.engine.progress import ProgressBar
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.entrypoints.progress import ProgressBar
 from detlora.lora.request import LoRARequest
 from detlora.models.spec import ModelSpec
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from detlora.engine.block_hashes import extend_page_keys
-from detlora.engine.sequence import Sequence
+from detlora.engine.sched.block_hashes import extend_page_keys
+from detlora.engine.sched.sequence import Sequence
 
 
 class OutOfBlocksError(RuntimeError):

@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from detlora.engine.cuda_graphs import DecodeGraphs
-from detlora.engine.graph_capture import describe_capture_failure, gc_paused
-from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
-from detlora.engine.step_inputs import StepInputs
-from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.engine.runner.decode_graphs import DecodeGraphs
+from detlora.engine.runner.graph_capture import describe_capture_failure, gc_paused
+from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
+from detlora.engine.runner.step_inputs import StepInputs
+from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
 
 

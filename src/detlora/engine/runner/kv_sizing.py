@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from detlora.engine.step_inputs import StepInputs
+from detlora.engine.runner.step_inputs import StepInputs
 
 CPU_KV_BYTES = 256 * 2**20
 

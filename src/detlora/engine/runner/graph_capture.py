@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from detlora.models.forward_batch import ForwardBatch
+from detlora.layers.forward_batch import ForwardBatch
 
 Forward = Callable[[ForwardBatch], tuple[torch.Tensor, ...]]
 

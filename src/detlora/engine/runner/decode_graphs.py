@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from detlora.engine.adapter_group_layout import AdapterGroupLayout
-from detlora.engine.copy_fence import CopyFence
-from detlora.engine.graph_capture import Forward, capture_bucket
-from detlora.engine.step_inputs import StepInputs
-from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
+from detlora.engine.runner.copy_fence import CopyFence
+from detlora.engine.runner.graph_capture import Forward, capture_bucket
+from detlora.engine.runner.step_inputs import StepInputs
+from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:

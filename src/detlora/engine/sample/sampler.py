@@ -13,10 +13,10 @@ parameters, seed and position, never on which other rows share the step:
 * top-k keeps the k best ranks of a stable descending sort of the raw logits (the model's
   dtype; ties: lower token id first); top-p keeps the shortest prefix of that order whose
   probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
-  sums do not depend on the scan order (``detlora.engine.token_filter``);
+  sums do not depend on the scan order (``detlora.engine.sample.token_filter``);
 * before all of the above: a row's banned tokens (``min_tokens``), then its
   ``allowed_token_ids``, ``logit_bias``, penalties and ``min_p`` adjust its fp32 logits
-  (``detlora.engine.logit_adjust``); a call with such a row ranks every row in fp32;
+  (``detlora.engine.sample.logit_adjust``); a call with such a row ranks every row in fp32;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
   The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
   row only when a request wants top logprobs.
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from detlora.config import SamplingParams
-from detlora.engine.copy_fence import PinnedStaging
-from detlora.engine.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments, fill_at
-from detlora.engine.token_filter import filter_logits
+from detlora.engine.runner.copy_fence import PinnedStaging
+from detlora.engine.sample.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments, fill_at
+from detlora.engine.sample.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
 _NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
@@ -245,10 +245,10 @@ class Sampler:
     ``chosen_logprob(x, index, *, out=None)`` must give ``log_softmax(x.float())``'s column
     ``index`` bit for bit (without it, the sampler gathers that column from a full
     ``log_softmax``). The Gumbel-max and the top-p
-    prefix are ``detlora.ops.sampling`` ops: with ``kernels=None`` its Triton kernels for CUDA
-    logits and its torch references otherwise (the interpreter is slow); ``kernels=True``
-    always takes the kernels (on the CPU that needs ``TRITON_INTERPRET=1``: tests), ``False``
-    never. Both give the same tokens (see ``detlora.ops.sampling`` on the float64 ``log``).
+    prefix are ``detlora.ops.sampling`` ops: ``kernels=True`` takes its Triton kernels (on the
+    CPU that needs ``TRITON_INTERPRET=1``: tests), ``False`` its torch references; the op
+    backend's ``sampling_kernels`` decides for an engine. Both give the same tokens (see
+    ``detlora.ops.sampling`` on the float64 ``log``).
     ``logits_dtype``: a 16-bit dtype in which fp32 logits are exact (the LM head's); the
     filters then rank them in it (the same ranks and ties, half the key bits). Logits already
     in that dtype are ranked as they are.
@@ -260,7 +260,7 @@ class Sampler:
         log_softmax: Callable[[torch.Tensor], torch.Tensor],
         *,
         chosen_logprob: Callable[..., torch.Tensor] | None = None,
-        kernels: bool | None = None,
+        kernels: bool = False,
         logits_dtype: torch.dtype | None = None,
     ) -> None:
         from detlora.ops import sampling  # here, not at import: it loads Triton
@@ -364,7 +364,7 @@ class Sampler:
 
             return PendingSample.read(greedy.reshape(-1), greedy[:, 0], parse_greedy)
         device = logits.device
-        kernels = logits.is_cuda if self._kernels is None else self._kernels
+        kernels = self._kernels
 
         # ---- host: sort the rows and gather every per-row parameter for one upload.
         greedy_rows: list[int] = []
