@@ -2,11 +2,11 @@
 others finish with the bits they have alone."""
 
 import pytest
-from engine_helpers import random_prompts, same_outputs
+from tests.helpers.engine_outputs import random_prompts, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
-from detlora.engine.sequence import FinishReason
+from detlora.engine.sched.sequence import FinishReason
+from detlora.entrypoints.llm import LLM
 
 
 @pytest.mark.parametrize("run_ahead", [False, True])

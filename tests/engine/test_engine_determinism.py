@@ -6,10 +6,10 @@ give the same bits.
 """
 
 import pytest
-from engine_helpers import random_prompts, same_outputs
+from tests.helpers.engine_outputs import random_prompts, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 N = 8

@@ -4,10 +4,10 @@ import json
 import shutil
 
 import pytest
-from engine_helpers import random_prompts
+from tests.helpers.engine_outputs import random_prompts
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 

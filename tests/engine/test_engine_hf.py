@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 import torch
-from engine_helpers import random_prompts
+from tests.helpers.engine_outputs import random_prompts
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 MAX_TOKENS = 12

@@ -3,7 +3,7 @@
 import pytest
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 
 
 def test_none_runs_to_max_model_len_and_the_same_bits(llama_dir):

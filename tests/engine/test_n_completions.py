@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import random_prompts
+from tests.helpers.engine_outputs import random_prompts
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 
 
 @pytest.fixture(scope="module")

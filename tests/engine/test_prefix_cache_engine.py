@@ -3,10 +3,10 @@ gives the bits of the same prompt computed from scratch, alone, at batch_invaria
 
 import pytest
 import torch
-from engine_helpers import VOCAB, same_outputs
+from tests.helpers.engine_outputs import VOCAB, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 N = 8

@@ -7,10 +7,10 @@ have different lengths, ban stop tokens for a while (min_tokens), and run out of
 """
 
 import pytest
-from engine_helpers import random_prompts, same_outputs
+from tests.helpers.engine_outputs import random_prompts, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 N = 8

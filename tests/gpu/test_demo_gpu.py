@@ -3,6 +3,10 @@ its KV cache), and batch_invariant is identical in every check."""
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.gpu
+
 
 def test_demo_runs_every_level_on_the_gpu():
     from detlora.study.demo import run_demo

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
+
+pytestmark = pytest.mark.gpu
 
 VOCAB = 512
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 256, 2, 4, 2, 512
@@ -221,7 +223,7 @@ def test_stop_strings_are_batch_invariant(tmp_path):
 
 
 def test_sampler_noise_bits_are_the_same_on_cpu_and_gpu():
-    from detlora.engine.sampler import _mix32, row_keys
+    from detlora.engine.sample.sampler import _mix32, row_keys
 
     ids = torch.arange(VOCAB, dtype=torch.int64)
     keys = torch.tensor([row_keys(2**63 + 5, 1000), row_keys(7, 3)], dtype=torch.int64)
@@ -275,9 +277,9 @@ def test_pdl_launches_give_the_bits_of_plain_launches(assets, monkeypatch, level
 
 
 def test_step_graphs_give_the_eager_bits(assets, monkeypatch):
-    """Prefill, chunked and mixed steps replayed from the step graphs (engine/step_graphs.py,
+    """Prefill, chunked and mixed steps replayed from the step graphs (engine/runner/step_graphs.py,
     padded to their token and sequence buckets) give batch_invariant's eager bits."""
-    import detlora.engine.step_graphs as sg
+    import detlora.engine.runner.step_graphs as sg
 
     model_dir, loras, prompts = assets
     params = _params(len(prompts))
@@ -338,8 +340,8 @@ def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatc
     import gc
     import weakref
 
-    import detlora.engine.cuda_graphs as cg
-    import detlora.engine.step_graphs as sg
+    import detlora.engine.runner.decode_graphs as cg
+    import detlora.engine.runner.step_graphs as sg
 
     model_dir, _, _ = assets
     real = cg.capture_bucket

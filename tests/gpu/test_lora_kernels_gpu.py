@@ -11,6 +11,8 @@ from detlora.ops.lora_expand import lora_expand, lora_expand_ref
 from detlora.ops.lora_shrink import lora_shrink, lora_shrink_ref
 from detlora.ops.lora_workspace import LoRAWorkspace
 
+pytestmark = pytest.mark.gpu
+
 REDUCTIONS = ("atomic", "unsplit", "ordered", "ordered_bi", "tree")
 DEV = "cuda"
 

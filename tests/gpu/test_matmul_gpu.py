@@ -15,6 +15,8 @@ from detlora.ops import matmul as mm
 from detlora.ops.matmul_workspace import MatmulWorkspace
 from detlora.study.bench_matmul import path_variants
 
+pytestmark = pytest.mark.gpu
+
 DEV = "cuda"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 M_VALUES = (2, 3, 7, 16, 64, 128, 257, 1024, 4096)

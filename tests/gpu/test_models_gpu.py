@@ -11,25 +11,18 @@ it is installed, else directly.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
+
 pytest.importorskip("safetensors")
 
 
-def _helpers():
-    path = Path(__file__).resolve().parents[1] / "models" / "tiny_hf.py"
-    spec = importlib.util.spec_from_file_location("tiny_hf_for_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import tiny_hf as H  # noqa: E402
 
-
-H = _helpers()
 HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "peft"))
 DEV, DTYPE = "cuda", torch.bfloat16
 LEVELS = ("fast", "run_to_run", "batch_invariant")

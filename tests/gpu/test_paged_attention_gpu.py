@@ -11,6 +11,8 @@ import torch
 from detlora.ops import paged_attention as pa
 from detlora.ops.paged_attention_split_kv import paged_attention_split_kv
 
+pytestmark = pytest.mark.gpu
+
 DEV = "cuda"
 DTYPE = torch.bfloat16
 PAGE = 16

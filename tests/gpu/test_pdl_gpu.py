@@ -13,6 +13,8 @@ from detlora.ops import matmul as mm
 from detlora.ops import rms_norm as rn
 from detlora.ops.pdl import pdl_launch, pdl_launches
 
+pytestmark = pytest.mark.gpu
+
 HIDDEN, WIDE, NARROW, LAYERS = 1024, 3072, 512, 6
 
 

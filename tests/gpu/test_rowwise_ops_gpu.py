@@ -14,6 +14,8 @@ from detlora.ops.rotary_write_kv import rotary_write_kv
 from detlora.ops.silu_and_mul import silu_and_mul
 from detlora.ops.softmax import log_softmax, softmax
 
+pytestmark = pytest.mark.gpu
+
 DEV = "cuda"
 BATCH_SIZES = (2, 3, 7, 16, 64, 128, 257, 1024, 4096)
 ROWS = 40  # rows compared alone vs. in every batch

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from detlora.config import SamplingParams
-from detlora.engine.sampler import Sampler, SampleRequest
-from detlora.engine.token_filter import filter_logits
+from detlora.engine.sample.sampler import Sampler, SampleRequest
+from detlora.engine.sample.token_filter import filter_logits
 from detlora.ops import sampling as sp
 from detlora.ops.reductions import argmax
 from detlora.ops.softmax import chosen_logprob, log_softmax
+
+pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 VOCAB = 128256
@@ -135,7 +137,7 @@ def test_greedy_head_of_bf16_logits_is_the_fp32_heads_bits(t):
     old = torch.stack([tokens.double(),
                        log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
     s = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
-                logits_dtype=torch.bfloat16)
+                logits_dtype=torch.bfloat16, kernels=True)
     assert torch.equal(argmax(x), tokens)
     assert torch.equal(s.greedy_head(x), old)
     static = x.clone()
@@ -176,8 +178,8 @@ def test_sampler_on_bf16_logits_gives_the_fp32_paths_results(n):
     x32 = x.float()
     reqs = _decode_requests(n)
     new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
-                  logits_dtype=torch.bfloat16)
-    old = Sampler(argmax, log_softmax, logits_dtype=torch.bfloat16)
+                  logits_dtype=torch.bfloat16, kernels=True)
+    old = Sampler(argmax, log_softmax, logits_dtype=torch.bfloat16, kernels=True)
     tokens = argmax(x32)
     old_head = torch.stack([tokens.double(),
                             log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
@@ -195,7 +197,7 @@ def test_launching_adjusted_rows_queues_without_a_host_sync():
     bias, min_p and banned tokens: ``launch`` only queues work. CUDA's sync debug mode turns
     any synchronizing call into an error (a Python scalar through ``__setitem__`` used to be
     one, which undid running ahead)."""
-    from detlora.engine.logit_adjust import row_adjust
+    from detlora.engine.sample.logit_adjust import row_adjust
 
     x, _, _ = _inputs(8, seed=5)
     fed = torch.randint(0, VOCAB, (8,), device=DEV)
@@ -211,7 +213,7 @@ def test_launching_adjusted_rows_queues_without_a_host_sync():
         reqs.append(SampleRequest(params, seed=k, position=6, banned_token_ids=(1, 2),
                                   adjust=adjust))
     sampler = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
-                      logits_dtype=torch.bfloat16)
+                      logits_dtype=torch.bfloat16, kernels=True)
     sampler.launch(x, reqs, fed=fed).result()  # warm: staging buffers, kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -228,8 +230,8 @@ def test_penalties_on_the_gpu_are_the_cpu_references_bits():
     CPU reference, bit for bit."""
     import random
 
-    from detlora.engine.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
-    from detlora.engine.sampler import _adjust_tensors, _pack_adjustments, _Upload
+    from detlora.engine.sample.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
+    from detlora.engine.sample.sampler import _adjust_tensors, _pack_adjustments, _Upload
 
     rng = random.Random(7)
     n = 48

@@ -10,16 +10,35 @@ from detlora.layers.backend import make_backend
 from detlora.ops.rms_norm import rms_norm_ref
 
 
+OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
+       "write_kv", "paged_attention", "log_softmax", "argmax", "lora_shrink", "lora_expand")
+
+
 def test_cpu_backend_runs_the_references():
+    b = make_backend("cpu", "run_to_run", lora_reduction="ordered")
+    assert b.lora_reduction is LoRAReduction.ORDERED
+    assert b.rms_norm is rms_norm_ref
+    assert not b.sampling_kernels and not b.lora_in_gemm
+    desc = b.describe()
+    assert {f"op.{op}" for op in OPS} <= set(desc)
+    assert all(v.endswith("_ref") for k, v in desc.items() if k.startswith("op."))
+
+
+def test_one_default_level_and_the_cpu_invariant_ops_come_from_the_policy():
+    """The default level is batch_invariant on every device; on the CPU it binds the
+    fixed-tile GEMMs and attention of ops.cpu_invariant, and the references elsewhere."""
+    from detlora.ops import cpu_invariant
+
     b = make_backend("cpu")
-    assert b.determinism is Determinism.RUN_TO_RUN
-    assert b.lora_reduction is LoRAReduction.IN_GEMM
+    assert b.determinism is Determinism.BATCH_INVARIANT
+    assert b.lora_reduction is LoRAReduction.IN_GEMM and b.lora_in_gemm
+    assert b.linear is cpu_invariant.linear
+    assert b.paged_attention is cpu_invariant.paged_attention
     assert b.rms_norm is rms_norm_ref
     desc = b.describe()
-    ops = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
-           "write_kv", "paged_attention", "log_softmax", "argmax", "lora_shrink", "lora_expand")
-    assert {f"op.{op}" for op in ops} <= set(desc)
-    assert all(v.endswith("_ref") for k, v in desc.items() if k.startswith("op."))
+    assert desc["op.linear"] == "cpu_invariant.linear"
+    assert desc["op.lora_shrink"] == "in_gemm:cpu_invariant.linear"
+    assert desc["op.rms_norm"].endswith("_ref")
 
 
 def test_level_picks_the_lora_reduction_unless_overridden():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_files import tiny_model, write_adapter
+from tests.helpers.adapter_files import tiny_model, write_adapter
 
 from detlora.lora.manager import LoRAManager
 from detlora.lora.request import LoRARequest
@@ -147,7 +147,7 @@ def test_lora_batch_groups_tokens(model):
 
 
 def test_model_without_slots(tmp_path):
-    from adapter_files import CONFIG
+    from tests.helpers.adapter_files import CONFIG
 
     from detlora.layers.backend import make_backend
     from detlora.models.llama import LlamaForCausalLM

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from adapter_files import module_shapes, write_adapter
 from safetensors.torch import load_file
+from tests.helpers.adapter_files import module_shapes, write_adapter
 
 from detlora.lora.peft_loader import load_peft_adapter
 

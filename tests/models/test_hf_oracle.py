@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import HFReference, PagedKV, make_adapter, make_checkpoint, rel_err, split_rows
+from tests.helpers.tiny_hf import (
+    HFReference,
+    PagedKV,
+    make_adapter,
+    make_checkpoint,
+    rel_err,
+    split_rows,
+)
 
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.lora.manager import LoRAManager

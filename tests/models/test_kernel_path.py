@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import HFReference, PagedKV, make_adapter, make_checkpoint, rel_err, split_rows
+from tests.helpers.tiny_hf import (
+    HFReference,
+    PagedKV,
+    make_adapter,
+    make_checkpoint,
+    rel_err,
+    split_rows,
+)
 
 from detlora.layers.backend import make_backend
 from detlora.lora import LoRAConfig, LoRARequest

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_hf import make_checkpoint
+from tests.helpers.tiny_hf import make_checkpoint
 
 from detlora.models.llama import LlamaForCausalLM
 from detlora.models.loader import load_model

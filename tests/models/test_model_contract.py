@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import (
+from tests.helpers.tiny_hf import (
     HFReference,
     PagedKV,
     make_checkpoint,

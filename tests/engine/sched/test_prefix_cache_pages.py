@@ -3,10 +3,10 @@
 import pytest
 
 from detlora.config import SamplingParams
-from detlora.engine.block_hashes import UNREAD, extend_page_keys
-from detlora.engine.block_manager import BlockManager
-from detlora.engine.scheduler import Scheduler
-from detlora.engine.sequence import Sequence
+from detlora.engine.sched.block_hashes import UNREAD, extend_page_keys
+from detlora.engine.sched.block_manager import BlockManager
+from detlora.engine.sched.scheduler import Scheduler
+from detlora.engine.sched.sequence import Sequence
 from detlora.lora.request import LoRARequest
 
 

@@ -5,9 +5,9 @@ inputs."""
 
 import pytest
 import torch
-from engine_helpers import previous_filter
+from tests.helpers.engine_outputs import previous_filter
 
-from detlora.engine.token_filter import filter_logits, filter_logits_ref
+from detlora.engine.sample.token_filter import filter_logits, filter_logits_ref
 
 NO_LIMIT = 1 << 62
 INF = float("inf")

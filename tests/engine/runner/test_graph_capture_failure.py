@@ -3,7 +3,7 @@ an earlier call invalidated it."""
 
 from __future__ import annotations
 
-from detlora.engine.graph_capture import describe_capture_failure
+from detlora.engine.runner.graph_capture import describe_capture_failure
 
 
 def _illegal_call() -> None:
@@ -54,7 +54,7 @@ def test_gc_paused_collects_first_then_keeps_the_gc_off() -> None:
     import gc
     import weakref
 
-    from detlora.engine.graph_capture import gc_paused
+    from detlora.engine.runner.graph_capture import gc_paused
 
     class Node:
         pass
@@ -88,7 +88,7 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
 
     import torch
 
-    import detlora.engine.model_runner as mr
+    import detlora.engine.runner.model_runner as mr
 
     seen = []
 

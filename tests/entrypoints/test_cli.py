@@ -9,7 +9,7 @@ import pytest
 
 from detlora.cli import main
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 from detlora.study.demo import build_demo_assets
 
@@ -165,7 +165,7 @@ def test_chat_through_the_template(demo_assets):
 def test_progress_bar_draws_counts_and_rate():
     import io
 
-    from detlora.engine.progress import ProgressBar
+    from detlora.entrypoints.progress import ProgressBar
 
     buf = io.StringIO()
     bar = ProgressBar(3, desc="generate", stream=buf, interval=0.0)

@@ -3,9 +3,9 @@
 import pytest
 
 from detlora.config import SamplingParams
-from detlora.engine.block_manager import BlockManager, OutOfBlocksError
-from detlora.engine.scheduler import Scheduler
-from detlora.engine.sequence import FinishReason, Sequence, SequenceStatus
+from detlora.engine.sched.block_manager import BlockManager, OutOfBlocksError
+from detlora.engine.sched.scheduler import Scheduler
+from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def make_seq(i: int, prompt_len: int, max_tokens: int = 8, lora=None) -> Sequence:

@@ -1,5 +1,5 @@
-"""The step graphs' static inputs (engine/step_graphs.py): what a prefill or mixed step stages
-is the eager step padded as documented, and a padded step gives the eager rows' bits.
+"""The step graphs' static inputs (engine/runner/step_graphs.py): what a prefill or mixed step
+stages is the eager step padded as documented, and a padded step gives the eager rows' bits.
 
 Graph capture needs CUDA (tests/gpu replays the graphs); staging and the padded forward run
 anywhere. On the CPU the engine's batch_invariant ops make a row's bits independent of the
@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import random_prompts, same_outputs
+from tests.helpers.engine_outputs import random_prompts, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
-from detlora.engine.step_graphs import StepGraphs, step_graph_buckets
-from detlora.engine.step_inputs import StepInputs
+from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
+from detlora.engine.runner.step_inputs import StepInputs
+from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 from detlora.ops.adapter_groups import group_tokens
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the engine tests (imported as a plain module: tests/ has no packages)."""
+"""Helpers shared by the engine tests: random prompts and bit-for-bit output comparison."""
 
 from __future__ import annotations
 

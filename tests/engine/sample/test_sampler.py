@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from detlora.config import SamplingParams
-from detlora.engine.sampler import (
+from detlora.engine.sample.sampler import (
     Sampler,
     SampleRequest,
     _mix32,

@@ -7,19 +7,19 @@ import warnings
 
 import pytest
 import torch
-from engine_helpers import VOCAB, random_prompts, same_outputs
+from tests.helpers.engine_outputs import VOCAB, random_prompts, same_outputs
 
 from detlora.config import SamplingParams
-from detlora.engine import logit_adjust
-from detlora.engine.llm import LLM
-from detlora.engine.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
-from detlora.engine.sampler import (
+from detlora.engine.sample import logit_adjust
+from detlora.engine.sample.logit_adjust import adjust_row_ref, apply_adjustments, row_adjust
+from detlora.engine.sample.sampler import (
     Sampler,
     SampleRequest,
     _adjust_tensors,
     _pack_adjustments,
     _Upload,
 )
+from detlora.entrypoints.llm import LLM
 from detlora.ops.reductions import argmax_ref
 from detlora.ops.softmax import log_softmax_ref
 

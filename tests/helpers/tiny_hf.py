@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from detlora.models.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

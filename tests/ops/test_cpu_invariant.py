@@ -2,7 +2,7 @@
 
 import torch
 
-from detlora.engine import cpu_invariant_ops as ops
+from detlora.ops import cpu_invariant as ops
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_expand import lora_expand_ref
 from detlora.ops.lora_shrink import lora_shrink_ref

@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from detlora.engine.cuda_graphs import DecodeGraphs
-from detlora.engine.step_inputs import StepInputs
+from detlora.engine.runner.decode_graphs import DecodeGraphs
+from detlora.engine.runner.step_inputs import StepInputs
 from detlora.ops.adapter_groups import group_tokens
 
 
