@@ -9,7 +9,6 @@ from detlora.config import Determinism, LoRAReduction
 from detlora.layers.backend import make_backend
 from detlora.ops.rms_norm import rms_norm_ref
 
-
 OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
        "write_kv", "paged_attention", "log_softmax", "argmax", "lora_shrink", "lora_expand")
 
