@@ -32,7 +32,6 @@ LAYERS: dict[str, int] = {
     "detlora": 9,  # the package's __init__: the public API
     "detlora.study": 10,  # product commands built on the public API
     "detlora.entrypoints.cli": 11,
-    "detlora.cli": 11,
 }
 
 

@@ -20,7 +20,7 @@ import torch
 from benchmarks.harness import results_meta
 from detlora.config import SamplingParams
 from detlora.engine.llm import LLM
-from detlora.study.demo import build_demo_assets
+from detlora.entrypoints.demo import build_demo_assets
 
 PROMPTS, PROMPT_LEN, N, OUTPUT_LEN = 8, 160, 8, 8
 BUDGETS = (512, 8192)  # max_num_batched_tokens

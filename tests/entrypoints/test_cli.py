@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from detlora.cli import main
+from detlora.entrypoints.cli import main
 from detlora.config import SamplingParams
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
-from detlora.study.demo import build_demo_assets
+from detlora.entrypoints.demo import build_demo_assets
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def demo_assets(tmp_path_factory):
 
 def test_demo_quick_runs_and_batch_invariant_is_identical():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "detlora.cli", "demo", "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "detlora.entrypoints.cli", "demo", "--quick"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from detlora.cli import main
+from detlora.entrypoints.cli import main
 
 
 def test_replay_prints_the_reproducibility_table(capsys):

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_demo_runs_every_level_on_the_gpu():
-    from detlora.study.demo import run_demo
+    from detlora.entrypoints.demo import run_demo
 
     results = run_demo(quick=True, device="cuda", log=lambda _: None)
     assert {r.level for r in results} == {"batch_invariant", "run_to_run", "fast"}

@@ -203,7 +203,7 @@ def test_prompt_logprobs_are_batch_invariant(assets):
 
 
 def test_stop_strings_are_batch_invariant(tmp_path):
-    from detlora.study.demo import build_demo_assets  # a model with a tokenizer
+    from detlora.entrypoints.demo import build_demo_assets  # a model with a tokenizer
 
     model_dir, _ = build_demo_assets(tmp_path)
     llm = LLM(str(model_dir), device="cuda", determinism="batch_invariant", max_num_seqs=16,

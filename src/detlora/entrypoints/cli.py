@@ -146,7 +146,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _prepare_runtime()
     import torch
 
-    from detlora.study.demo import run_demo
+    from detlora.entrypoints.demo import run_demo
 
     if args.device == "cpu" or not torch.cuda.is_available():
         # Tiny matrices: thread fan-out costs more than it gains (and suffers on busy hosts).
