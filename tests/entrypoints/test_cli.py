@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from detlora.entrypoints.cli import main
 from detlora.config import SamplingParams
+from detlora.entrypoints.cli import main
+from detlora.entrypoints.demo import build_demo_assets
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
-from detlora.entrypoints.demo import build_demo_assets
 
 
 @pytest.fixture(scope="module")

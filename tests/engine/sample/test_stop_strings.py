@@ -6,8 +6,8 @@ import pytest
 
 from detlora.config import SamplingParams
 from detlora.engine.sample.stop_strings import StopMatch, match_stop_string
-from detlora.entrypoints.llm import LLM
 from detlora.entrypoints.demo import build_demo_assets
+from detlora.entrypoints.llm import LLM
 
 PIECES = ["ab", "c", "de", "f", " ", "gh", "i", "END", "x"]
 
