@@ -1,7 +1,10 @@
-"""Summarise benchmarks/results/*.json as the Markdown tables README.md shows.
+"""Write ``docs/results.md`` from the results: one section per study (its current file in
+``benchmarks/results/``) with its headline table, where and how it was measured, a link to the
+JSON, and the study's runs from ``history.jsonl`` (with their headline figures) for trends.
+Every figure comes from those files.
 
-    python benchmarks/report.py            # print the tables
-    python benchmarks/report.py --readme   # rewrite README.md between the RESULTS markers
+    python -m benchmarks.report            # rewrite docs/results.md
+    python -m benchmarks.report --check    # exit 1 if docs/results.md is out of date
 """
 
 from __future__ import annotations
@@ -9,23 +12,42 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
+from benchmarks.harness.history import RESULTS_DIR, read_history
+
+ROOT = RESULTS_DIR.parents[1]
+DOC = ROOT / "docs" / "results.md"
+FIRST = ("engine", "lora_kernels", "batch_invariant_ops", "prefix_caching", "profile_engine")
+MAX_ROWS = 20  # rows of a generic table; the JSON has the rest
+MAX_COLUMNS = 12
+SCALARS = (str, int, float, bool, type(None))
 
 
 def _meta_line(meta: dict) -> str:
     return (f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
-            f"{meta['triton']}, commit `{meta['commit'][:10]}`, {meta['date']}, "
+            f"{meta.get('triton', '?')}, commit `{meta['commit'][:10]}`, {meta['date']}, "
             f"`{meta['command']}`")
 
 
-def lora_kernels(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    lines = [f"**LoRA shrink kernels** ({_meta_line(d['meta'])})", ""]
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    text = "" if value is None else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+            *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
+
+
+def lora_kernels(d: dict) -> list[str]:
+    lines: list[str] = []
     shapes = sorted({(r["M"], r["H"], r["r"]) for r in d["replay"]})
     lines += [f"Replay on identical inputs, {len(shapes)} shapes (M in "
               f"{sorted({s[0] for s in shapes})}, (H, r) in {sorted({s[1:] for s in shapes})}), "
@@ -82,11 +104,11 @@ def lora_kernels(path: Path) -> list[str]:
     return lines
 
 
-def batch_invariant_ops(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    metas = d.get("meta_parts", {"all": d["meta"]})
-    lines = ["**Batch-invariant ops** (" + "; ".join(f"{k}: {_meta_line(v)}"
-                                                   for k, v in metas.items()) + ")", "",
+def batch_invariant_ops(d: dict) -> list[str]:
+    metas = d.get("meta_parts", {})
+    lines = ["Measured in parts: " + "; ".join(f"{k}: {_meta_line(v)}" for k, v in metas.items())
+             + ".", ""] if metas else []
+    lines += [
              "Invariance (row alone vs the same row inside M in {2, 3, 7, 16, 64, 128, 257, "
              "1024, 4096}; attention also across prefill, chunked prefill, decode, cached "
              "prefix, split KV):", "",
@@ -123,15 +145,12 @@ def batch_invariant_ops(path: Path) -> list[str]:
     return lines
 
 
-def engine(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    lines = [f"**Engine, Llama-3.2-3B shape, random bf16 weights, rank-16 adapter on all seven "
-             f"projections** ({_meta_line(d['meta'])})", "",
+def engine(d: dict) -> list[str]:
+    lines = ["Llama-3.2-3B shape, random bf16 weights, rank-16 adapter on all seven "
+             "projections.", "",
              f"Roofline: {d['roofline']['weight_bytes'] / 1e9:.2f} GB of weights over "
              f"{d['roofline']['copy_TBps']:.2f} TB/s copy = "
              f"{d['roofline']['batch1_tpot_floor_ms']:.2f} ms per token at batch 1.", ""]
-    if d["meta"].get("note"):
-        lines += [f"Note: {d['meta']['note']}", ""]
     lines += ["| mode | batch | output tok/s | TPOT ms | prefill tok/s |", "|---|---|---|---|---|"]
     for r in d["throughput"]:
         lines.append(f"| {r['mode']} | {r['batch']} | {r['output_tok_per_s']:.0f} | "
@@ -140,7 +159,8 @@ def engine(path: Path) -> list[str]:
               "reference run:", "", "| mode | check | differing / comparisons |", "|---|---|---|"]
     for r in d["determinism"]:
         extra = f" (batch {r['batch']})" if "batch" in r and r["check"] == "cross_batch" else ""
-        lines.append(f"| {r['mode']} | {r['check']}{extra} | {r['differing']}/{r['comparisons']} |")
+        lines.append(f"| {r['mode']} | {r['check']}{extra} | "
+                     f"{r['differing']}/{r['comparisons']} |")
     lines += ["", *_engine_targets(d)]
     return lines
 
@@ -172,15 +192,11 @@ def _engine_targets(d: dict) -> list[str]:
     return ["Against the targets: " + "; ".join(out) + "."] if out else []
 
 
-def prefix_caching(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
+def prefix_caching(d: dict) -> list[str]:
     plan = d["meta"]["plan"]
-    lines = [f"**Prefix caching, guardrail workload** ({_meta_line(d['meta'])}): "
-             f"{plan['requests']} requests sharing a {plan['shared_len']}-token prompt, "
-             f"{plan['unique_len']} tokens each of their own, {plan['verdict_len']} output "
-             "tokens.", ""]
-    if d["meta"].get("note"):
-        lines += [f"Note: {d['meta']['note']}", ""]
+    lines = [f"Guardrail workload: {plan['requests']} requests sharing a "
+             f"{plan['shared_len']}-token prompt, {plan['unique_len']} tokens each of their "
+             f"own, {plan['verdict_len']} output tokens.", ""]
     lines += ["| mode | cache | requests/s | prompt tok/s | cached prompt tokens |",
               "|---|---|---|---|---|"]
     for r in d["runs"]:
@@ -194,42 +210,123 @@ def prefix_caching(path: Path) -> list[str]:
     return lines
 
 
-def other(path: Path) -> list[str]:
-    d = json.loads(path.read_text())
-    meta = d.get("meta")
-    return [f"**{path.stem}**: see `{path.relative_to(ROOT)}`"
-            + (f" ({_meta_line(meta)})" if meta else "")]
+def generic(d: dict) -> list[str]:
+    """Each top-level list of records as a table (scalar columns, the first rows), each flat
+    mapping as key/value lines, each scalar as a line."""
+    lines: list[str] = []
+    for key, value in d.items():
+        if key in ("meta", "meta_parts", "note"):
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            cols: list[str] = []
+            for row in value:
+                cols += [k for k, v in row.items() if isinstance(v, SCALARS) and k not in cols]
+            cols = cols[:MAX_COLUMNS]
+            shown = value[:MAX_ROWS]
+            more = f" (the first {MAX_ROWS} of {len(value)})" if len(value) > MAX_ROWS else ""
+            lines += [f"`{key}`{more}:", "", *_table(cols, [[r.get(c) for c in cols]
+                                                             for r in shown]), ""]
+        elif isinstance(value, dict) and value and all(isinstance(v, SCALARS)
+                                                       for v in value.values()):
+            lines += [f"`{key}`:", "", *_table(["key", "value"], [[k, v] for k, v in
+                                                                 value.items()]), ""]
+        elif isinstance(value, SCALARS):
+            lines += [f"`{key}`: {_cell(value)}", ""]
+        else:
+            lines += [f"`{key}`: nested data, see the JSON.", ""]
+    return lines
 
 
-def tables() -> list[str]:
-    out: list[str] = []
-    for path in sorted(RESULTS.glob("*.json")):
-        if path.name == "lora_kernels.json":
-            out += [*lora_kernels(path), ""]
-        elif path.name == "batch_invariant_ops.json":
-            out += [*batch_invariant_ops(path), ""]
-        elif path.name == "engine.json":
-            out += [*engine(path), ""]
-        elif path.name == "prefix_caching.json":
-            out += [*prefix_caching(path), ""]
-        elif path.name != "lora_sweep.json":
-            out += [*other(path), ""]
+RENDERERS: dict[str, Callable[[dict], list[str]]] = {
+    "engine": engine, "lora_kernels": lora_kernels,
+    "batch_invariant_ops": batch_invariant_ops, "prefix_caching": prefix_caching,
+}
+
+
+def _flatten(figures: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in figures.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--readme", action="store_true")
-    args = parser.parse_args()
-    text = "\n".join(tables())
-    if not args.readme:
-        print(text)
-        return
-    readme = ROOT / "README.md"
-    body = readme.read_text()
-    start, end = body.index(BEGIN) + len(BEGIN), body.index(END)
-    readme.write_text(body[:start] + "\n" + text + "\n" + body[end:])
+def history_table(rows: list[dict]) -> list[str]:
+    """The study's runs, oldest first, with their headline figures."""
+    flat = [_flatten(r.get("headline", {})) for r in rows]
+    cols: list[str] = []
+    for f in flat:
+        cols += [k for k in f if k not in cols]
+    cols = cols[:MAX_COLUMNS]
+    table = []
+    for row, f in zip(rows, flat, strict=True):
+        source = f"`{row['file']}`" + (f" at `{row['file_at'][:7]}`" if row.get("file_at")
+                                       else "")
+        table.append([row["date"][:16], f"`{row['commit'][:7]}`", row.get("label", ""),
+                      source, *(f.get(c) for c in cols)])
+    return _table(["date", "commit", "label", "file", *cols], table)
+
+
+def section(path: Path, runs: list[dict]) -> list[str]:
+    d = json.loads(path.read_text())
+    rel = path.relative_to(ROOT).as_posix()
+    lines = [f"## {path.stem}", ""]
+    if isinstance(d.get("meta"), dict):
+        lines += [f"{_meta_line(d['meta'])}; [{rel}](../{rel}).", ""]
+        if d["meta"].get("note"):
+            lines += [f"Note: {d['meta']['note']}", ""]
+    else:
+        lines += [f"[{rel}](../{rel}).", ""]
+    if d.get("note"):
+        lines += [f"Note: {d['note']}", ""]
+    try:
+        lines += [*RENDERERS.get(path.stem, generic)(d), ""]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a layout it does not know
+        lines += [f"(no table: {type(e).__name__} {e}; see the JSON)", ""]
+    if len(runs) > 1:
+        lines += [f"Runs in the history ({len(runs)}):", "", *history_table(runs), ""]
+    return lines
+
+
+def render(results_dir: Path = RESULTS_DIR) -> str:
+    paths = sorted(results_dir.glob("*.json"),
+                   key=lambda p: (FIRST.index(p.stem) if p.stem in FIRST else len(FIRST), p.stem))
+    by_study: dict[str, list[dict]] = defaultdict(list)
+    for row in read_history(results_dir / "history.jsonl"):
+        by_study[row["study"]].append(row)
+    lines = ["# Results", "",
+             "Generated by `python -m benchmarks.report` from `benchmarks/results/*.json` (one "
+             "current file per study) and `benchmarks/results/history.jsonl` (every recorded "
+             "run); do not edit by hand. A run's file that is no longer current is in git: "
+             "`git show COMMIT:benchmarks/results/FILE`.", "",
+             "Studies: " + ", ".join(f"[{p.stem}](#{p.stem})"
+                                     for p in paths) + ".", ""]
+    for path in paths:
+        lines += section(path, sorted(by_study.get(path.stem, []), key=lambda r: r["date"]))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DOC)
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the file is not what this would write")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is out of date: run python -m benchmarks.report", file=sys.stderr)
+            return 1
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

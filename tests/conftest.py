@@ -28,9 +28,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def sm90_compile():
-    """``run(script, arg) -> list``: run a compile-for-sm_90 script (tools/compile_sm90.py) in a
-    fresh interpreter without TRITON_INTERPRET, with ``json.dumps(arg)`` as its argument, and
-    return the JSON list it prints last. Skips the test when Triton's ptxas is missing."""
+    """``run(script, arg) -> list``: run a compile-for-sm_90 script in a fresh interpreter
+    without TRITON_INTERPRET, with ``src`` and ``tests/ops`` on the path (for
+    ``from compile_sm90 import ...``, tests/ops/compile_sm90.py) and ``json.dumps(arg)`` as its
+    argument, and return the JSON list it prints last. Skips the test when Triton's ptxas is
+    missing."""
     import json
     import subprocess
     import sys
@@ -42,7 +44,7 @@ def sm90_compile():
         pytest.skip("triton's bundled ptxas is missing")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root / "tests" / "ops")])
 
     def run(script: str, arg: object) -> list:
         proc = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], cwd=root,

@@ -83,21 +83,9 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(p, m, modules) for m, p in files.items()}
 
 
-# Benchmark modules on their way out of the package (to benchmarks/): remove when moved.
-_LEAVING = {"detlora.study.bench_attention", "detlora.study.bench_engine",
-            "detlora.study.bench_matmul", "detlora.study.bench_prefix_cache",
-            "detlora.study.bench_rowwise", "detlora.study.bi_ops_bench",
-            "detlora.study.expand_configs", "detlora.study.profile_engine",
-            "detlora.study.shrink_chunks", "detlora.study.lora_kernel_bench",
-            "detlora.study.cublas_workspace", "detlora.study.engine_variants",
-            "detlora.study.timing"}
-
-
 def test_no_import_points_to_a_higher_layer_or_the_lab():
     bad = []
     for module, targets in sorted(_graph().items()):
-        if module in _LEAVING:
-            continue
         for target in sorted(targets):
             if target.startswith("benchmarks"):
                 bad.append(f"{module} -> {target} (the product never imports the lab)")

@@ -4,7 +4,7 @@ cleanly. Motivated by a flaky engine capture failure whose first visible error w
 ``operation failed due to a previous error during capture``: torch 2.11's ``torch.cuda.graph``
 no longer runs ``gc.collect()`` before capturing, so Python's GC may free dead cycles mid-capture.
 
-    PYTHONPATH=src python benchmarks/experiments/capture_gc_probe.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.capture_gc_probe OUT.json
 """
 
 import gc
@@ -71,20 +71,20 @@ def _case(name: str) -> dict:
 def main(out_path: str) -> None:
     import torch
 
-    from benchmarks.harness import results_meta
+    from benchmarks.harness import results_meta, write_results
+    from benchmarks.harness.meta import REPO_ROOT
 
     rows = []
     for name in CASES:  # one process per case: a failed capture may leave the context odd
-        r = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "benchmarks.experiments.capture_gc_probe",
+                            "--case", name], capture_output=True, text=True, timeout=120,
+                           cwd=REPO_ROOT)
         line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
         rows.append(json.loads(line) if line.startswith("{") else
                     {"case": name, "captured": None, "error": r.stderr[-300:]})
         print(rows[-1], flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"meta": results_meta("python benchmarks/experiments/capture_gc_probe.py "
-                                        "OUT.json"), "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
+    meta = results_meta("python -m benchmarks.experiments.capture_gc_probe OUT.json")
+    write_results(out_path, {"meta": meta, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

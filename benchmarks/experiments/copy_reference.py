@@ -1,4 +1,4 @@
-"""One-off GPU check: why the ops benchmark's "copy" reference (``bench_rowwise._time_copy``)
+"""One-off GPU check: why the ops benchmark's "copy" reference (``suites.rowwise.time_copy``)
 read 21.98 us for the bytes of rms_norm at H 3072, M 4096 (batch_invariant_ops.json) while
 rms_norm_persistent.json timed torch ``copy_`` of the same bytes at 14.47 us.
 
@@ -7,17 +7,16 @@ its tensors made directly in bf16; and the 2-D [M, H] copy of the persistent exp
 twice, to see run-order effects. Then a sweep of byte counts around 24 MiB, to find which
 sizes take the slow path.
 
-    PYTHONPATH=src python benchmarks/experiments/copy_reference.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.copy_reference OUT.json
 """
 
-import json
 import sys
 
 import torch
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import input_sets_for, time_graph_us
-from detlora.study.bench_rowwise import DTYPE, _time_copy
+from benchmarks.suites.rowwise import DTYPE, time_copy
 
 VARIANT_SHAPES = ((4096, 3072), (1024, 3072))
 
@@ -31,7 +30,7 @@ def _variants(m: int, h: int) -> tuple[int, dict]:
     moved = 2 * m * h * 2 + h * 2  # rms_norm: read x, write y, read the weight
     n = moved // 4
     return moved, {
-        "bench_time_copy": lambda: _time_copy(moved),
+        "bench_time_copy": lambda: time_copy(moved),
         "1d_made_in_bf16": lambda: _time_sets(
             lambda: (torch.empty(n, dtype=DTYPE, device="cuda").normal_(),
                      torch.empty(n, dtype=DTYPE, device="cuda")), moved),
@@ -68,9 +67,8 @@ def main(out_path: str) -> None:
                      "us": round(us, 3), "TBps": round(4 * n / us / 1e6, 3)})
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump({"meta": results_meta(" ".join(["python", *sys.argv])), "rows": rows}, f,
-                  indent=1)
+    meta = results_meta("python -m benchmarks.experiments.copy_reference OUT.json")
+    write_results(out_path, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

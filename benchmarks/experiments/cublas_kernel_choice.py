@@ -1,14 +1,14 @@
 """Which kernels cuBLAS runs at the mid-M points where the batch-invariant matmul misses 0.9x
 (batch_invariant_ops.json), and whether its choice changes with M.
 
-For each layer shape and M, ``torch.mm(x, w.t())`` (bench_matmul's cuBLAS call) runs under
+For each layer shape and M, ``torch.mm(x, w.t())`` (suites.matmul's cuBLAS call) runs under
 torch.profiler; every CUDA kernel of one call is recorded with its grid and block. A choice
 that splits K (a reduce kernel, or split-K in the name), or whose K split changes with M, sums
 a row's products in an order that depends on M: what the batch-invariant kernel may not do.
 The detlora kernel's launch (grid) is recorded beside. Rows at M = 1 (decode) and 4096 (where
 we match cuBLAS) are there for contrast.
 
-    PYTHONPATH=src python benchmarks/experiments/cublas_kernel_choice.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.cublas_kernel_choice OUT.json
 
 Outcome at 2a58952 (benchmarks/results/cublas_kernel_choice.json): at every point cuBLAS runs
 one nvjet kernel (no reduce kernel, no split-K) on 128-132 CTAs. Its tile's column side is
@@ -24,9 +24,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.matmul import LAYERS
 from detlora.ops.matmul import linear
-from detlora.study.bench_matmul import LAYERS
 
 POINTS = {
     "llama_qkv": (1, 256, 1024, 4096), "llama_o": (256, 1024), "llama_down": (256, 1024),
@@ -72,9 +72,8 @@ def main(out_path: str) -> None:
                              "kernels": ks})
                 print(layer, m, impl, [(r["kernel"][:90], r["grid"], r["us"]) for r in ks],
                       flush=True)
-    meta = results_meta("python benchmarks/experiments/cublas_kernel_choice.py OUT.json")
-    with open(out_path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = results_meta("python -m benchmarks.experiments.cublas_kernel_choice OUT.json")
+    write_results(out_path, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Why the first batch that hits the prefix cache ran ~1.1 s slower than the next ones
 (prefix_caching.json: 1.55 s against 0.41 s at batch_invariant).
 
-Runs bench_prefix_cache's guardrail workload (Llama-3.2-3B shape, 256 requests sharing a
+Runs suites.prefix_cache's guardrail workload (Llama-3.2-3B shape, 256 requests sharing a
 1024-token policy prompt, 64 tokens each of their own, 4-token verdicts) with the cache on, at
 ``batch_invariant``: a warm-up batch, then three batches with fresh suffixes. For each batch it
 records the wall time, every engine step's wall time, and every
 Triton compilation (kernel, seconds and the specialized signature, from Triton's JIT hooks)
 that happened inside it, and those of the engine's start-up.
 
-    PYTHONPATH=src python benchmarks/experiments/first_cache_hit.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.first_cache_hit OUT.json
 """
 
-import json
 import sys
 import tempfile
 import time
@@ -20,8 +19,8 @@ from pathlib import Path
 import torch
 from triton import knobs
 
-from benchmarks.harness import results_meta
-from detlora.study.bench_prefix_cache import PrefixPlan, make_llm, write_assets
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.prefix_cache import PrefixPlan, make_llm, write_assets
 
 EVENTS: list[dict] = []
 _STARTED: dict[tuple, float] = {}
@@ -47,7 +46,7 @@ def _specialization(kw) -> dict:
 
 
 def main(out_path: str, quick: bool = False) -> None:
-    from detlora.config import SamplingParams
+    from detlora import SamplingParams
     plan = PrefixPlan.quick() if quick else PrefixPlan()
     knobs.runtime.jit_cache_hook = _pre
     knobs.runtime.jit_post_compile_hook = _post
@@ -89,11 +88,11 @@ def main(out_path: str, quick: bool = False) -> None:
             print({k: row[k] for k in ("batch", "seconds", "cached_tokens")},
                   "steps", row["step_seconds"][:12], "compiles",
                   [(e["kernel"], e["seconds"]) for e in row["compiles"]], flush=True)
-    meta = results_meta("python benchmarks/experiments/first_cache_hit.py OUT.json")
-    Path(out_path).write_text(json.dumps({"meta": meta, "init_s": round(init_s, 2),
+    meta = results_meta("python -m benchmarks.experiments.first_cache_hit OUT.json")
+    write_results(out_path, {"meta": meta, "init_s": round(init_s, 2),
                                           "init_compiles": init_compiles,
                                           "init_events": EVENTS[:init_compiles],
-                                          "batches": batches}, indent=1) + "\n")
+                                          "batches": batches})
 
 
 if __name__ == "__main__":

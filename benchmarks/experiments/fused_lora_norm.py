@@ -3,15 +3,14 @@ median): o/down's expand + fused_add_rms_norm vs lora_expand_add_rms_norm (H 307
 gate|up's expand + silu_and_mul vs lora_expand_silu_and_mul (I 8192). in_gemm input, rank 16,
 one adapter on every row, bf16.
 
-    PYTHONPATH=src python benchmarks/experiments/fused_lora_norm.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.fused_lora_norm OUT.json
 """
 
-import json
 import sys
 
 import torch
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_expand import lora_expand
@@ -50,10 +49,14 @@ def measure(m: int) -> list[dict]:
             {"op": "expand+silu_and_mul", "M": m, "I": 8192, **silu}]
 
 
-rows = []
-for m in (1, 16, 64, 256, 6400):
-    rows += measure(m)
-    print(rows[-2], rows[-1], flush=True)
-meta = results_meta("python benchmarks/experiments/fused_lora_norm.py")
-with open(sys.argv[1], "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def main(out_path: str) -> None:
+    rows = []
+    for m in (1, 16, 64, 256, 6400):
+        rows += measure(m)
+        print(rows[-2], rows[-1], flush=True)
+    meta = results_meta("python -m benchmarks.experiments.fused_lora_norm")
+    write_results(out_path, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

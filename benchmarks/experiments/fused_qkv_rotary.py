@@ -4,16 +4,15 @@ expand + rotary + write_kv (three launches) against expand + rotary_write_kv (tw
 lora_expand_rotary_write_kv (one). Each graph holds 30 back-to-back calls, so a decode-size
 figure includes the gaps between launches, as in the engine's decode graph (median per call).
 
-    PYTHONPATH=src python benchmarks/experiments/fused_qkv_rotary.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.fused_qkv_rotary OUT.json
 """
 
 import itertools
-import json
 import sys
 
 import torch
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_expand import lora_expand
@@ -65,10 +64,14 @@ def measure(m: int) -> dict:
                                         ("lora_expand_rotary_write_kv", one))}}
 
 
-rows = []
-for m in (1, 16, 64, 256, 6400):
-    rows.append(measure(m))
-    print(rows[-1], flush=True)
-meta = results_meta("python benchmarks/experiments/fused_qkv_rotary.py")
-with open(sys.argv[1], "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def main(out_path: str) -> None:
+    rows = []
+    for m in (1, 16, 64, 256, 6400):
+        rows.append(measure(m))
+        print(rows[-1], flush=True)
+    meta = results_meta("python -m benchmarks.experiments.fused_qkv_rotary")
+    write_results(out_path, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -11,7 +11,7 @@ tiling must move: every output tile reads its A rows and B columns over the whol
 tiles x (BLOCK_M + BLOCK_N + BLOCK_N2) x K x 2 bytes, over the latency measured in
 batch_invariant_ops.json; and what cuBLAS's time would imply for the same traffic.
 
-    PYTHONPATH=src python benchmarks/experiments/l2_read_bandwidth.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.l2_read_bandwidth OUT.json
 """
 
 import json
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton import cdiv
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
-from detlora.ops._runtime import cdiv
+from benchmarks.suites.matmul import LAYERS
 from detlora.ops.matmul import matmul_config
-from detlora.study.bench_matmul import LAYERS
 
 
 @triton.jit
@@ -89,9 +89,8 @@ def main(out_path: str) -> None:
                             "cublas_us": cub, "same_bytes_at_cublas_time_TBps":
                                 round(byts / cub / 1e6, 2)})
             print(traffic[-1], flush=True)
-    meta = results_meta("python benchmarks/experiments/l2_read_bandwidth.py OUT.json")
-    Path(out_path).write_text(json.dumps({"meta": meta, "read": rows, "matmul_traffic": traffic},
-                                         indent=1) + "\n")
+    meta = results_meta("python -m benchmarks.experiments.l2_read_bandwidth OUT.json")
+    write_results(out_path, {"meta": meta, "read": rows, "matmul_traffic": traffic})
 
 
 if __name__ == "__main__":

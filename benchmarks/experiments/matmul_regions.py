@@ -3,21 +3,20 @@ the first columns in big tiles (whole waves of the GPU), the rest in small tiles
 tiling whose last wave leaves SMs idle. With S = 1 every tiling gives the same bits, so the
 split only moves work. Each plan: linear(x, W[:c]) into out[:, :c] with config A, then
 linear(x, W[c:]) into out[:, c:] with config B, both with the full weight's k_split.
-CUDA-graph replays over rotating input sets (as bench_matmul), median per call; bits: each
+CUDA-graph replays over rotating input sets (as suites.matmul), median per call; bits: each
 plan's output against the default single launch (``torch.equal``).
 
-    PYTHONPATH=src python benchmarks/experiments/matmul_regions.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_regions OUT.json
 """
 
-import json
 import sys
 
 import torch
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
+from benchmarks.suites.matmul import LAYERS, layer_inputs, time_cublas, time_detlora
 from detlora.ops.matmul import MatmulConfig, k_split, linear, matmul_config
-from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 
 POINTS = (("llama_qkv", 256), ("llama_qkv", 1024), ("llama_o", 256), ("llama_o", 1024),
           ("llama_down", 256), ("llama_down", 1024), ("llama_gate_up", 256),
@@ -36,46 +35,50 @@ def config(ks, t):
                         programs_per_sm=per_sm, load_k=load_k)
 
 
-rows = []
-for name, m in POINTS:
-    n, k = LAYERS[name]
-    ks = k_split(n, k)
-    sets = _inputs(n, k, m, max_sets=32)
-    base = {"layer": name, "N": n, "K": k, "M": m}
-    cublas = time_cublas(sets)
-    default = time_detlora(sets)
-    x0, w0, o0 = sets[0]
-    linear(x0, w0, out=o0)
-    want = o0.clone()
-    rows.append({**base, "plan": "default", "us": round(default, 3), "cublas_us": round(cublas, 3),
-                 "config": repr(matmul_config(m, n, k))})
-    print(rows[-1], flush=True)
-    for big_name, big in BIG.items():
-        m_tiles = -(-m // big[0])
-        for waves in (1, 2):
-            c = big[1] * (waves * SMS // m_tiles)
-            if not 0 < c < n:
-                continue
-            for small_name, small in SMALL.items():
-                ca, cb = config(ks, big), config(ks, small)
+def main(out_path: str) -> None:
+    rows = []
+    for name, m in POINTS:
+        n, k = LAYERS[name]
+        ks = k_split(n, k)
+        sets = layer_inputs(n, k, m, max_sets=32)
+        base = {"layer": name, "N": n, "K": k, "M": m}
+        cublas = time_cublas(sets)
+        default = time_detlora(sets)
+        x0, w0, o0 = sets[0]
+        linear(x0, w0, out=o0)
+        want = o0.clone()
+        rows.append({**base, "plan": "default", "us": round(default, 3),
+                     "cublas_us": round(cublas, 3), "config": repr(matmul_config(m, n, k))})
+        print(rows[-1], flush=True)
+        for big_name, big in BIG.items():
+            m_tiles = -(-m // big[0])
+            for waves in (1, 2):
+                c = big[1] * (waves * SMS // m_tiles)
+                if not 0 < c < n:
+                    continue
+                for small_name, small in SMALL.items():
+                    ca, cb = config(ks, big), config(ks, small)
 
-                def call(s, c=c, ca=ca, cb=cb):
-                    linear(s[0], s[1][:c], out=s[2][:, :c], config=ca)
-                    linear(s[0], s[1][c:], out=s[2][:, c:], config=cb)
+                    def call(s, c=c, ca=ca, cb=cb):
+                        linear(s[0], s[1][:c], out=s[2][:, :c], config=ca)
+                        linear(s[0], s[1][c:], out=s[2][:, c:], config=cb)
 
-                try:
-                    o0.zero_()
-                    call(sets[0])
-                    equal = bool(torch.equal(o0, want))
-                    us, err = time_graph_us([lambda s=s: call(s) for s in sets]), None
-                except Exception as exc:
-                    equal, us, err = None, None, repr(exc)[:200]
-                rows.append({**base, "plan": f"{big_name}[:{c}]+{small_name}",
-                             "us": us and round(us, 3), "cublas_us": round(cublas, 3),
-                             "equal_to_default": equal, "error": err})
-                print(rows[-1], flush=True)
-    del sets
-    torch.cuda.empty_cache()
-with open(sys.argv[1], "w") as f:
-    json.dump({"meta": results_meta("python benchmarks/experiments/matmul_regions.py"),
-               "rows": rows}, f, indent=1)
+                    try:
+                        o0.zero_()
+                        call(sets[0])
+                        equal = bool(torch.equal(o0, want))
+                        us, err = time_graph_us([lambda s=s: call(s) for s in sets]), None
+                    except Exception as exc:
+                        equal, us, err = None, None, repr(exc)[:200]
+                    rows.append({**base, "plan": f"{big_name}[:{c}]+{small_name}",
+                                 "us": us and round(us, 3), "cublas_us": round(cublas, 3),
+                                 "equal_to_default": equal, "error": err})
+                    print(rows[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    meta = results_meta("python -m benchmarks.experiments.matmul_regions OUT.json")
+    write_results(out_path, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -8,19 +8,18 @@ Two questions, for the layers whose split count (S > 1) costs most at M >= 64:
 2. Speed: each split count S in {1, 2, 3, 4, the default} at M = 1 and 64 over decode tiles
    (BLOCK_N 16/32/64, BLOCK_K 64/128/256, stages) and at M = 256, 1024, 4096 over the
    persistent tiles, beside cuBLAS; CUDA-graph replays over rotating input sets (as
-   bench_matmul), median per call.
+   suites.matmul), median per call.
 
-    PYTHONPATH=src python benchmarks/experiments/matmul_split_counts.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_split_counts OUT.json
 """
 
-import json
 import sys
 
 import torch
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.matmul import LAYERS, layer_inputs, time_cublas, time_detlora
 from detlora.ops.matmul import KSplit, MatmulConfig, k_split, linear, matmul_config
-from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 
 LAYER_NAMES = ("llama_o", "llama_down", "llama_qkv", "qwen_down", "qwen_o")
 DECODE_M = (1, 64)
@@ -65,7 +64,7 @@ def speed(name: str) -> None:
     n, k = LAYERS[name]
     splits = sorted({1, 2, 3, 4, k_split(n, k).num_chunks})
     for m in (*DECODE_M, *MANY_M):
-        sets = _inputs(n, k, m, max_sets=64)
+        sets = layer_inputs(n, k, m, max_sets=64)
         cublas = time_cublas(sets)
         us = time_detlora(sets)
         ROWS.append({"part": "speed", "layer": name, "N": n, "K": k, "M": m, "default": True,
@@ -106,16 +105,20 @@ def speed(name: str) -> None:
         del sets
 
 
-def save(path: str) -> None:
-    meta = results_meta("python benchmarks/experiments/matmul_split_counts.py")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+def save(path: str, history: bool = False) -> None:
+    meta = results_meta("python -m benchmarks.experiments.matmul_split_counts OUT.json")
+    write_results(path, {"meta": meta, "rows": ROWS}, history=history)
+
+
+def main(out_path: str) -> None:
+    for layer in LAYER_NAMES:
+        bits(layer)
+    save(out_path)
+    for layer in LAYER_NAMES:
+        speed(layer)
+        save(out_path)  # partial results survive a timeout
+    save(out_path, history=True)
 
 
 if __name__ == "__main__":
-    for layer in LAYER_NAMES:
-        bits(layer)
-    save(sys.argv[1])
-    for layer in LAYER_NAMES:
-        speed(layer)
-        save(sys.argv[1])  # partial results survive a timeout
+    main(sys.argv[1])

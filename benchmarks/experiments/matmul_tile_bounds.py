@@ -11,7 +11,7 @@ fast an SM pulls its operands from L2, not by the MMA rate; with 128x128 tiles e
 32 KB per 2 MFLOP. ``loads`` is also run with the tiles spread over 40 to 264 CTAs, to see
 whether the pull rate is a per-SM limit (constant GB/s per CTA) or a shared one.
 
-    PYTHONPATH=src python benchmarks/experiments/matmul_tile_bounds.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_tile_bounds OUT.json
 
 Outcome at c0a5bdb (benchmarks/results/matmul_tile_bounds.json): the MMA chain bounds it.
 ``mma`` alone took 19.2 us for llama qkv (the matmul 21.8, cuBLAS 14.9), 18.8 for o and 41.9
@@ -20,7 +20,6 @@ cannot go below ~19 us (0.78x cuBLAS) with any loads. The ``loads`` mode does no
 loads: summing each 128x64 register tile costs far more than the MMA (196-524 us).
 """
 
-import json
 import sys
 
 import torch
@@ -28,9 +27,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
-from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
+from benchmarks.suites.matmul import LAYERS, layer_inputs, time_cublas, time_detlora
 
 BM, BN, BK, WARPS, STAGES = 128, 128, 64, 8, 4
 FULL, LOADS, MMA = 0, 1, 2
@@ -78,12 +77,13 @@ def _probe_call(x, w, scratch, mode: int, ctas: int | None = None):
 
 
 def main(out_path: str) -> None:
+    meta = results_meta("python -m benchmarks.experiments.matmul_tile_bounds OUT.json")
     rows = []
     scratch = torch.empty(264 * BM * BN, dtype=torch.float32, device="cuda")
     for layer in ("llama_qkv", "llama_o", "llama_down"):
         n, k = LAYERS[layer]
         m = 256
-        sets = _inputs(n, k, m)
+        sets = layer_inputs(n, k, m)
         tiles = triton.cdiv(m, BM) * triton.cdiv(n, BN)
         base = {"layer": layer, "N": n, "K": k, "M": m, "tiles": tiles,
                 "bytes_per_tile": (BM + BN) * k * 2}
@@ -97,7 +97,7 @@ def main(out_path: str) -> None:
             print(rows[-1], flush=True)
         # How the pull rate scales with concurrent CTAs: the loads of M = 1024 (4x the tiles)
         # spread over 40 to 264 CTAs.
-        big = _inputs(n, k, 1024, max_sets=8)
+        big = layer_inputs(n, k, 1024, max_sets=8)
         big_tiles = 4 * tiles
         for ctas in (40, 80, 132, 264):
             t = time_graph_us([lambda s=s, c=ctas: _probe_call(s[0], s[1], scratch, LOADS, c)
@@ -109,9 +109,8 @@ def main(out_path: str) -> None:
                          "TBps_total": round(moved / t / 1e6, 2)})
             print(rows[-1], flush=True)
         del big
-        with open(out_path, "w") as f:
-            json.dump({"meta": results_meta(" ".join(["python", *sys.argv])), "rows": rows}, f,
-                      indent=1)
+        write_results(out_path, {"meta": meta, "rows": rows}, history=False)  # partial
+    write_results(out_path, {"meta": meta, "rows": rows})
 
 
 def _cfg_128(m: int, n: int, k: int):

@@ -8,24 +8,23 @@ splitting K further. A 128x192 tile (128 + 64) makes 128 tiles there. Every tili
 same bits (each output element is one chain of 16-deep MMAs); this script checks it again with
 torch.equal on the fp32 sums of every candidate against the default config.
 
-    PYTHONPATH=src python benchmarks/experiments/matmul_two_part_tiles.py OUT.json
-    PYTHONPATH=src python benchmarks/experiments/matmul_two_part_tiles.py OUT.json --rule
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_two_part_tiles OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_two_part_tiles OUT.json --rule
 
 ``--rule`` checks ``matmul_config``'s choice instead: at every M (a multiple of 64 up to 4096)
 where it picks a two-part tile, that tile against what it picks without two-part tiles.
 """
 
-import json
 import sys
 from unittest import mock
 
 import torch
+from triton import cdiv
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.matmul import LAYERS, layer_inputs, time_cublas, time_detlora
 from detlora.ops import matmul as mm
-from detlora.ops._runtime import cdiv
 from detlora.ops.matmul import MatmulConfig, k_split, linear, matmul_config
-from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 
 MS = (256, 512, 1024, 2048)
 NAMES = ("llama_qkv", "llama_o", "llama_gate_up", "llama_down", "qwen_q", "qwen_kv",
@@ -59,7 +58,7 @@ def measure(name: str) -> None:
     ks = k_split(n, k)
     assert ks.num_chunks == 1, name
     for m in MS:
-        sets = _inputs(n, k, m, max_sets=64)
+        sets = layer_inputs(n, k, m, max_sets=64)
         cublas = time_cublas(sets)
         default = matmul_config(m, n, k)
         x, w = sets[0][0], sets[0][1]
@@ -86,7 +85,7 @@ def check_rule(name: str) -> None:
             continue
         with mock.patch.object(mm, "_TWO_PART_TILES", ()):
             old = matmul_config(m, n, k)
-        sets = _inputs(n, k, m, max_sets=64)
+        sets = layer_inputs(n, k, m, max_sets=64)
         cublas = time_cublas(sets)
         x, w = sets[0][0], sets[0][1]
         same = bool(torch.equal(_sum32(x, w, new), _sum32(x, w, old)))
@@ -95,14 +94,17 @@ def check_rule(name: str) -> None:
         del sets
 
 
-def save(path: str, command: str) -> None:
-    with open(path, "w") as f:
-        json.dump({"meta": results_meta(command), "rows": ROWS}, f, indent=1)
+def save(path: str, command: str, history: bool = False) -> None:
+    write_results(path, {"meta": results_meta(command), "rows": ROWS}, history=history)
+
+
+def main(out_path: str, rule: bool = False) -> None:
+    cmd = "python -m benchmarks.experiments.matmul_two_part_tiles OUT.json" + " --rule" * rule
+    for layer in NAMES:
+        (check_rule if rule else measure)(layer)
+        save(out_path, cmd)  # partial results survive a timeout
+    save(out_path, cmd, history=True)
 
 
 if __name__ == "__main__":
-    rule = "--rule" in sys.argv[2:]
-    cmd = "python benchmarks/experiments/matmul_two_part_tiles.py OUT.json" + " --rule" * rule
-    for layer in NAMES:
-        (check_rule if rule else measure)(layer)
-        save(sys.argv[1], cmd)  # partial results survive a timeout
+    main(sys.argv[1], rule="--rule" in sys.argv[2:])

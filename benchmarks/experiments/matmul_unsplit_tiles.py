@@ -3,18 +3,17 @@ at every M, beside cuBLAS, on the Llama-3.2-3B and Qwen3-0.6B layer shapes.
 
 With S = 1 any tile, path and load width gives the same bits, so choosing the tiling at
 M > 64 is plain GEMM tuning: persistent CTAs (1 or 2 per SM) or one CTA per tile, tiles from
-64x32 to 256x128. CUDA-graph replays over rotating input sets (as bench_matmul), median per
+64x32 to 256x128. CUDA-graph replays over rotating input sets (as suites.matmul), median per
 call.
 
-    PYTHONPATH=src python benchmarks/experiments/matmul_unsplit_tiles.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.matmul_unsplit_tiles OUT.json
 """
 
-import json
 import sys
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.matmul import LAYERS, layer_inputs, time_cublas, time_detlora
 from detlora.ops.matmul import MatmulConfig, k_split, matmul_config
-from detlora.study.bench_matmul import LAYERS, _inputs, time_cublas, time_detlora
 
 MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 # (BLOCK_M, BLOCK_N, warps, stages, persistent, CTAs per SM, load_k)
@@ -40,7 +39,7 @@ def measure(name: str) -> None:
     n, k = LAYERS[name]
     ks = k_split(n, k)
     for m in MS:
-        sets = _inputs(n, k, m, max_sets=64)
+        sets = layer_inputs(n, k, m, max_sets=64)
         cublas = time_cublas(sets)
         default = matmul_config(m, n, k)
         _row(name, n, k, m, default, time_detlora(sets), cublas, True)
@@ -57,13 +56,17 @@ def measure(name: str) -> None:
         del sets
 
 
-def save(path: str) -> None:
-    meta = results_meta("python benchmarks/experiments/matmul_unsplit_tiles.py")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+def save(path: str, history: bool = False) -> None:
+    meta = results_meta("python -m benchmarks.experiments.matmul_unsplit_tiles OUT.json")
+    write_results(path, {"meta": meta, "rows": ROWS}, history=history)
+
+
+def main(out_path: str) -> None:
+    for layer in LAYERS:
+        measure(layer)
+        save(out_path)  # partial results survive a timeout
+    save(out_path, history=True)
 
 
 if __name__ == "__main__":
-    for layer in LAYERS:
-        measure(layer)
-        save(sys.argv[1])  # partial results survive a timeout
+    main(sys.argv[1])

@@ -1,11 +1,11 @@
-"""Where a penalized batch's extra time goes: batch 64, bench_engine's model (28 layers,
+"""Where a penalized batch's extra time goes: batch 64, suites.engine's model (28 layers,
 rank-16 adapter), batch_invariant, run-ahead on; 40 output tokens per request. For plain
 requests and for the same requests with repetition 1.1, frequency 0.2 and presence 0.1: the
 wall time per step, the GPU's busy time per step (union of kernel intervals over one
 generate), the kernels that take the most time per step, and the host functions that take the
 most of one generate (cProfile).
 
-    PYTHONPATH=src python benchmarks/experiments/penalized_profile.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.penalized_profile OUT.json
 """
 
 import json
@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import results_meta
-from detlora.config import SamplingParams
-from detlora.lora.request import LoRARequest
-from detlora.study import bench_engine as be
-from detlora.study import profile_engine as pe
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites import engine as be
+from benchmarks.suites import profile_engine as pe
+from detlora import LoRARequest, SamplingParams
 
 BATCH, TOKENS = 64, 40
 
@@ -40,7 +39,7 @@ def _trace_busy(fn) -> dict:
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    busy = pe._busy_us(kernels)
+    busy = pe.busy_us(kernels)
     return {"wall_ms_per_step": round(1e3 * wall / TOKENS, 3),
             "gpu_busy_ms_per_step": round(busy / 1e3 / TOKENS, 3)}
 
@@ -53,8 +52,8 @@ def main(out_path: str) -> None:
         be.write_model(root / "model", plan.shape)
         be.write_adapter(root / "adapter0", plan.shape, seed=10)
         lora = LoRARequest("a0", 1, str(root / "adapter0"))
-        w = be._Workload(plan, [lora])
-        llm = be._engine(root / "model", "batch_invariant", plan, max_num_seqs=BATCH)
+        w = be.Workload(plan, [lora])
+        llm = be.make_engine(root / "model", "batch_invariant", plan, max_num_seqs=BATCH)
         prompts = w.prompts[:BATCH]
         for label, extra in (("plain", {}), ("penalized", dict(
                 repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1))):
@@ -66,20 +65,18 @@ def main(out_path: str) -> None:
                 llm.generate(prompts, params, [lora] * BATCH, use_tqdm=False)
 
             row = {"case": label, **_trace_busy(go)}
-            table = pe._kernel_table(go, steps=1, top=25)
+            table = pe.kernel_table(go, steps=1, top=25)
             row["kernels_per_step"] = [
                 {**k, "us_per_step": round(k["us_per_step"] / TOKENS, 2),
                  "launches_per_step": round(k["launches_per_step"] / TOKENS, 2)} for k in table]
-            row["host_top"] = pe._host_profile(go, top=25)
+            row["host_top"] = pe.host_profile(go, top=25)
             rows.append(row)
             print(label, row["wall_ms_per_step"], row["gpu_busy_ms_per_step"], flush=True)
             for k in row["kernels_per_step"][:12]:
                 print("   ", k, flush=True)
             print("\n".join(row["host_top"][:16]), flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"meta": results_meta("python benchmarks/experiments/penalized_profile.py "
-                                        "OUT.json"), "batch": BATCH, "tokens": TOKENS,
-                   "rows": rows}, f, indent=1)
+    meta = results_meta("python -m benchmarks.experiments.penalized_profile OUT.json")
+    write_results(out_path, {"meta": meta, "batch": BATCH, "tokens": TOKENS, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
-"""Where the host time of an eager prefill forward goes (bench_engine's model, 28 layers).
+"""Where the host time of an eager prefill forward goes (suites.engine's model, 28 layers).
 
 For each level: one engine, a warm-up generate, then the prefill step of one 100-token prompt
 (and of 16) run eagerly as ``generate`` runs it: host time to enqueue the forward (no sync),
 GPU time (CUDA events), and a cProfile of one forward, by own time and by cumulative time.
 
-    PYTHONPATH=src python benchmarks/experiments/prefill_host.py OUT.json [levels]
+    PYTHONPATH=src python -m benchmarks.experiments.prefill_host OUT.json [levels]
 """
 
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-import detlora.engine.llm_engine as le
-from benchmarks.harness import results_meta
-from detlora.lora.request import LoRARequest
-from detlora.study import bench_engine as be
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites import engine as be
+from detlora import LoRARequest
 
 
 def _stats(prof: cProfile.Profile, key: str, top: int) -> list[str]:
@@ -69,9 +67,10 @@ def main(out_path: str, levels: list[str]) -> None:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
         be.write_adapter(root / "adapter0", plan.shape, seed=10)
-        w = be._Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
+        w = be.Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
         for level in levels:
-            llm = be._engine(root / "model", level, plan)
+            llm = be.make_engine(root / "model", level, plan)
+            le = sys.modules[type(llm.engine).__module__]  # the engine's module
             for b in (1, 16):
                 first = {}
                 original = le.build_step_inputs
@@ -95,11 +94,10 @@ def main(out_path: str, levels: list[str]) -> None:
                 for line in row["by_cumtime"][:30]:
                     print("  c", line)
             del llm
-            be._free_gpu()
-    meta = results_meta("python benchmarks/experiments/prefill_host.py OUT.json "
+            be.free_gpu()
+    meta = results_meta("python -m benchmarks.experiments.prefill_host OUT.json "
                         + ",".join(levels))
-    with open(out_path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_results(out_path, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

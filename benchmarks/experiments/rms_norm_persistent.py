@@ -11,18 +11,18 @@ warps, so the same ``tl.sum`` tree):
                      row-per-CTA kernel) and torch ``copy_``
 Every variant's output is compared with the default's (``torch.equal``).
 
-    PYTHONPATH=src python benchmarks/experiments/rms_norm_persistent.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.rms_norm_persistent OUT.json
 """
 
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import input_sets_for, time_graph_us
+from benchmarks.suites.rowwise import HBM_BYTES_PER_S, rms_bytes
 from detlora.ops.rms_norm import (
     fused_add_rms_norm,
     inv_rms,
@@ -31,7 +31,6 @@ from detlora.ops.rms_norm import (
     rms_norm_blocks,
     rms_norm_config,
 )
-from detlora.study.bench_rowwise import HBM_BYTES_PER_S, _rms_bytes
 
 EPS = 1e-5
 
@@ -115,7 +114,7 @@ def main(path: str) -> None:
     for h in (3072, 1024):
         w = (torch.randn(h, device="cuda", generator=g) + 1).bfloat16()
         for m in (256, 1024, 4096, 16384):
-            moved = _rms_bytes(m, h)
+            moved = rms_bytes(m, h)
             sets = [tuple(torch.randn(m, h, device="cuda", generator=g).bfloat16()
                           for _ in range(4)) for _ in range(input_sets_for(moved["rms_norm"]))]
             variants = {"default": (
@@ -154,9 +153,8 @@ def main(path: str) -> None:
                 rows.append(row)
             del sets
             torch.cuda.empty_cache()
-    meta = results_meta("python benchmarks/experiments/rms_norm_persistent.py")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = results_meta("python -m benchmarks.experiments.rms_norm_persistent")
+    write_results(path, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What running one step ahead gains in the two cases it newly covers: rows with penalties,
 and requests queueing for a sequence slot.
 
-bench_engine's model (Llama-3.2-3B shape, 28 layers, rank-16 adapter), batch_invariant, one
+suites.engine's model (Llama-3.2-3B shape, 28 layers, rank-16 adapter), batch_invariant, one
 engine with 64 sequence slots; 100-token prompts, 150 output tokens, EOS ignored, half the
 rows greedy and half sampled. Cases:
 - ``plain_b64``: 64 requests without penalties (the case run-ahead always covered);
@@ -11,10 +11,9 @@ Each case runs with ``run_ahead`` on and off (off: every step waits for the host
 previous one): wall time (median of 3 after a warm-up), output tok/s, steps launched ahead,
 and the requests whose tokens or logprobs differ between on and off (batch_invariant: 0).
 
-    PYTHONPATH=src python benchmarks/experiments/run_ahead_cases.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.run_ahead_cases OUT.json
 """
 
-import json
 import statistics
 import sys
 import tempfile
@@ -23,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import results_meta
-from detlora.config import SamplingParams
-from detlora.lora.request import LoRARequest
-from detlora.study import bench_engine as be
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites import engine as be
+from detlora import LoRARequest, SamplingParams
 
 SLOTS = 64
 
@@ -39,7 +37,7 @@ def _params(k: int, plan: be.BenchPlan, penalized: bool) -> SamplingParams:
                           **sampled, **extra)
 
 
-def _case(llm, w: be._Workload, n: int, penalized: bool, ahead: bool) -> dict:
+def _case(llm, w: be.Workload, n: int, penalized: bool, ahead: bool) -> dict:
     engine = llm.engine
     engine.run_ahead = ahead
     prompts = [w.prompts[k % len(w.prompts)] for k in range(n)]
@@ -73,26 +71,26 @@ def main(out_path: str, plan: be.BenchPlan | None = None) -> None:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
         be.write_adapter(root / "adapter0", plan.shape, seed=10)
-        w = be._Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
-        llm = be._engine(root / "model", "batch_invariant", plan, max_num_seqs=SLOTS)
+        w = be.Workload(plan, [LoRARequest("a0", 1, str(root / "adapter0"))])
+        llm = be.make_engine(root / "model", "batch_invariant", plan, max_num_seqs=SLOTS)
         if torch.cuda.is_available():
             assert llm.engine.run_ahead, llm.engine.runner.graph_error
         for case, n, penalized in (("plain_b64", SLOTS, False), ("penalized_b64", SLOTS, True),
                                    ("queued_256", 4 * SLOTS, False)):
             on, off = (_case(llm, w, n, penalized, ahead) for ahead in (True, False))
-            differing = be._count_diff(on.pop("outputs"), off.pop("outputs"))
+            differing = be.count_differing(on.pop("outputs"), off.pop("outputs"))
             rows.append({"case": case, "requests": n, "slots": SLOTS, "penalized": penalized,
                          "on": on, "off": off,
                          "speedup": round(on["output_tok_per_s"] / off["output_tok_per_s"], 3),
                          "differing_on_vs_off": differing})
             print(rows[-1], flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"meta": results_meta("python benchmarks/experiments/run_ahead_cases.py "
-                                        "OUT.json"),
-                   "plan": {"model": "Llama-3.2-3B shape, random bf16", "rank": 16,
-                            "prompt_len": plan.prompt_len, "output_len": plan.output_len,
-                            "determinism": "batch_invariant", "slots": SLOTS},
-                   "rows": rows}, f, indent=1)
+    meta = results_meta("python -m benchmarks.experiments.run_ahead_cases OUT.json")
+    write_results(out_path, {"meta": meta,
+                             "plan": {"model": "Llama-3.2-3B shape, random bf16", "rank": 16,
+                                      "prompt_len": plan.prompt_len,
+                                      "output_len": plan.output_len,
+                                      "determinism": "batch_invariant", "slots": SLOTS},
+                             "rows": rows})
 
 
 if __name__ == "__main__":

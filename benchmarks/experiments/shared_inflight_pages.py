@@ -7,7 +7,7 @@ random Llama. Counted, not timed (so it runs on a CPU): prompt and decode tokens
 computed, steps, tokens found in the cache; and every completion compared (token ids and
 logprobs, ==) between the two runs.
 
-    PYTHONPATH=src python benchmarks/experiments/shared_inflight_pages.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.shared_inflight_pages OUT.json
 """
 
 import json
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import results_meta
-from detlora.config import SamplingParams
-from detlora.engine.llm import LLM
+from benchmarks.harness import results_meta, write_results
+from detlora import LLM, SamplingParams
 from detlora.entrypoints.demo import build_demo_assets
 
 PROMPTS, PROMPT_LEN, N, OUTPUT_LEN = 8, 160, 8, 8
@@ -64,14 +63,14 @@ def main(out_path: str) -> None:
             rows += [before, after]
             compared += len(a)
             differing += sum(x != y for x, y in zip(a, b, strict=True))
-    command = "python benchmarks/experiments/shared_inflight_pages.py OUT.json"
+    command = "python -m benchmarks.experiments.shared_inflight_pages OUT.json"
     result = {"meta": results_meta(command),
               "plan": {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "n": N,
                        "output_len": OUTPUT_LEN, "model": "detlora demo tiny Llama (CPU)"},
               "rows": rows, "completions_compared": compared,
               "completions_differing": differing}
     print(json.dumps(rows), "differing", differing)
-    Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(out_path, result)
 
 
 if __name__ == "__main__":

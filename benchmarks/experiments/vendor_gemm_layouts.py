@@ -5,16 +5,15 @@ Llama-3.2-3B layers with the in_gemm LoRA columns (rank 16: +48 for q|k|v, +16 f
 down, +32 for gate|up), bf16, M in 1, 16, 64, 256; 30 back-to-back calls per CUDA graph,
 median per call. Reports each case's effective weight bandwidth.
 
-    PYTHONPATH=src python benchmarks/experiments/vendor_gemm_layouts.py OUT.json
+    PYTHONPATH=src python -m benchmarks.experiments.vendor_gemm_layouts OUT.json
 """
 
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import results_meta
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
 
 DEV, CALLS = "cuda", 30
@@ -42,7 +41,11 @@ def measure() -> list[dict]:
     return rows
 
 
-rows = measure()
-meta = results_meta("python benchmarks/experiments/vendor_gemm_layouts.py")
-with open(sys.argv[1], "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def main(out_path: str) -> None:
+    rows = measure()
+    meta = results_meta("python -m benchmarks.experiments.vendor_gemm_layouts")
+    write_results(out_path, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

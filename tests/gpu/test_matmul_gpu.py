@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.suites.matmul import path_variants
 from detlora.batch_invariant import (
     batch_invariant,
     disable_batch_invariant_mode,
@@ -13,7 +14,6 @@ from detlora.batch_invariant import (
 )
 from detlora.ops import matmul as mm
 from detlora.ops.matmul_workspace import MatmulWorkspace
-from detlora.study.bench_matmul import path_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -240,7 +240,7 @@ def test_mode_routes_log_softmax_and_mean_when_their_kernels_exist(mode_off):
 
 def test_hf_llama_logits_do_not_depend_on_the_batch_under_the_mode(mode_off):
     pytest.importorskip("transformers")
-    from detlora.study.bench_matmul import hf_llama_invariance
+    from benchmarks.suites.matmul import hf_llama_invariance
 
     result = hf_llama_invariance(batch=32)
     assert result["cases"] > 0

@@ -307,7 +307,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument(case):
 
 _SM90_SCRIPT = r"""
 import json, sys
-from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
+from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import matmul as mm
 
 out = []

@@ -203,7 +203,7 @@ def test_bad_configs_raise_value_error_naming_the_argument():
 
 _SM90_SCRIPT = r"""
 import json, sys
-from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
+from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import rms_norm as rn
 
 out = []

@@ -153,7 +153,7 @@ def test_bad_inputs_raise_value_error(monkeypatch):
 
 _SM90_SCRIPT = r"""
 import json, sys
-from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
+from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import sampling as sp
 from detlora.ops._runtime import next_power_of_2
 

@@ -247,7 +247,7 @@ def test_bad_inputs_raise_value_error(monkeypatch):
 
 _SM90_SCRIPT = r"""
 import json, re, sys
-from tools.compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
+from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import sampling as sp
 
 base = {"temps_ptr": "*fp32", "top_k_ptr": "*i64", "out_ptr": "*fp32", "p_ptr": "*fp32",

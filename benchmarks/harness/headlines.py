@@ -1,0 +1,147 @@
+"""A results file's headline figures: the few numbers a history row keeps.
+
+Chosen by the file's layout (the suite that wrote it), so that every run of a suite, under any
+file name, gets the same figures. A layout not known here has no headline figures ({}).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Headline = dict[str, Any]
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def engine(d: dict) -> Headline:
+    """tok/s at batch 64 and TPOT at batch 1 per level; outputs that differ, per level."""
+    out: Headline = {"tok_per_s_b64": {}, "tpot_ms_b1": {}}
+    for row in d.get("throughput", []):
+        if row.get("batch") == 64 and "output_tok_per_s" in row:
+            out["tok_per_s_b64"][row["mode"]] = _r(row["output_tok_per_s"], 1)
+        if row.get("batch") == 1 and "tpot_ms" in row:
+            out["tpot_ms_b1"][row["mode"]] = _r(row["tpot_ms"])
+    differing: dict[str, list[int]] = {}
+    for row in d.get("determinism", []):
+        pair = differing.setdefault(row["mode"], [0, 0])
+        pair[0] += row["differing"]
+        pair[1] += row["comparisons"]
+    out["differing_outputs"] = {mode: f"{a}/{b}" for mode, (a, b) in differing.items()}
+    floor = d.get("roofline", {}).get("batch1_tpot_floor_ms")
+    if floor:
+        out["batch1_tpot_floor_ms"] = _r(floor)
+    return out
+
+
+def lora_kernels(d: dict) -> Headline:
+    """The study's targets (ratios of medians over the latency grid) and invariance."""
+    out: Headline = {k: v for k, v in d.get("targets", {}).items()
+                     if isinstance(v, int | float) and not isinstance(v, bool)}
+    if d.get("batch_invariance"):
+        out["batch_invariance_mismatches"] = sum(r["mismatches"] for r in d["batch_invariance"])
+    return out
+
+
+def batch_invariant_ops(d: dict) -> Headline:
+    """Invariance mismatches per op, matmul against cuBLAS, attention against split-KV."""
+    out: Headline = {}
+    per_op: dict[str, int] = {}
+    for row in d.get("invariance", []):
+        per_op[row["op"]] = per_op.get(row["op"], 0) + row["mismatches"]
+    if per_op:
+        out["mismatches"] = per_op
+    summary = d.get("matmul", {}).get("summary", {})
+    for key, name in (("throughput_vs_cublas_M_le_64", "matmul_vs_cublas_M_le_64_median"),
+                      ("throughput_vs_cublas_M_ge_256", "matmul_vs_cublas_M_ge_256_median")):
+        if key in summary:
+            out[name] = summary[key]["median"]
+    attention = d.get("attention", {}).get("summary", [])
+    b1 = {r["shape"]: r["speed_vs_split_kv"] for r in attention if r["M"] == 1}
+    if b1:
+        out["attention_vs_split_kv_b1"] = b1
+    floor = d.get("rowwise", {}).get("targets", {}).get("rms_norm_floor_fraction_min")
+    if floor is not None:
+        out["rms_norm_floor_fraction_min"] = floor
+    return out
+
+
+def prefix_caching(d: dict) -> Headline:
+    """Requests/s with the cache on and off per level, the speed-up, differing outputs."""
+    out: Headline = {"requests_per_s": {}}
+    for row in d.get("runs", []):
+        key = f"{row['mode']}_cache_{'on' if row['prefix_caching'] else 'off'}"
+        out["requests_per_s"][key] = _r(row["requests_per_s"], 1)
+    out["speedup"] = {k: _r(v, 2) for k, v in d.get("speedup", {}).items()}
+    out["differing_outputs"] = {r["mode"]: f"{r['differing']}/{r['comparisons']}"
+                                for r in d.get("determinism", [])}
+    return out
+
+
+def profile(d: dict) -> Headline:
+    """Per level and batch: wall ms per step and one decode graph replay (us)."""
+    out: Headline = {}
+    for row in d.get("rows", []):
+        key = f"{row['mode']}_b{row['batch']}"
+        fig: Headline = {}
+        if row.get("steps"):
+            fig["ms_per_step"] = _r(row["total_ms"] / row["steps"])
+        if row.get("replay_us") is not None:
+            fig["replay_us"] = row["replay_us"]
+        out[key] = fig
+    return out
+
+
+def run_ahead_cases(d: dict) -> Headline:
+    """Per case: tok/s with run-ahead on and off, and outputs that differ between them."""
+    return {row["case"]: {"on_tok_per_s": row["on"]["output_tok_per_s"],
+                          "off_tok_per_s": row["off"]["output_tok_per_s"],
+                          "differing": row["differing_on_vs_off"]}
+            for row in d.get("rows", [])}
+
+
+def _is_engine(d: dict) -> bool:
+    return "throughput" in d and "roofline" in d
+
+
+def _is_lora_kernels(d: dict) -> bool:
+    return "batch_invariance" in d and "replay" in d
+
+
+def _is_batch_invariant_ops(d: dict) -> bool:
+    return "invariance" in d and "latency" in d
+
+
+def _is_prefix_caching(d: dict) -> bool:
+    return "runs" in d and "speedup" in d
+
+
+def _is_profile(d: dict) -> bool:
+    rows = d.get("rows")
+    return bool(rows) and isinstance(rows[0], dict) and {"mode", "batch", "total_ms"} <= set(
+        rows[0])
+
+
+def _is_run_ahead_cases(d: dict) -> bool:
+    rows = d.get("rows")
+    return bool(rows) and isinstance(rows[0], dict) and {"case", "on", "off"} <= set(rows[0])
+
+
+LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] = (
+    (_is_engine, engine),
+    (_is_lora_kernels, lora_kernels),
+    (_is_batch_invariant_ops, batch_invariant_ops),
+    (_is_prefix_caching, prefix_caching),
+    (_is_profile, profile),
+    (_is_run_ahead_cases, run_ahead_cases),
+)
+
+
+def headline(result: dict) -> Headline:
+    """The headline figures of a results dict, by its layout; {} for an unknown layout."""
+    for matches, figures in LAYOUTS:
+        if matches(result):
+            return figures(result)
+    return {}
