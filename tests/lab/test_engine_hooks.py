@@ -1,0 +1,49 @@
+"""The engine attributes that lab modules hook or read (profile_engine, and the experiments
+run_ahead_cases, first_cache_hit, pdl_decode, prefill_host, shared_inflight_pages) exist on a
+CPU engine, so that moving or renaming them fails here, not on the GPU machine."""
+
+import inspect
+import sys
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.suites import engine as be
+
+HOOKS = ("step", "run_ahead", "num_steps_ahead", "model", "spec.vocab_size",
+         "scheduler.schedule", "block_manager.next_page_computing",
+         "block_manager.num_hit_tokens", "sampler.launch", "runner.execute",
+         "runner.forward_batch", "runner.graphs", "runner.graph_error")
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab-hooks")
+    shape = replace(be.ModelShape(), hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16,
+                    intermediate=128, vocab=256, rank=4, alpha=8)
+    plan = replace(be.BenchPlan(), shape=shape, prompts=2, prompt_len=4, output_len=2,
+                   throughput_batches=(2,))
+    be.write_model(root / "model", shape)
+    return be.make_engine(root / "model", "batch_invariant", plan, device="cpu")
+
+
+@pytest.mark.parametrize("chain", HOOKS)
+def test_engine_has(tiny_llm, chain):
+    obj = tiny_llm.engine
+    for name in chain.split("."):
+        assert hasattr(obj, name), f"LLM.engine.{chain}: no {name!r}"
+        obj = getattr(obj, name)
+
+
+def test_the_engine_module_builds_step_inputs(tiny_llm):
+    module = sys.modules[type(tiny_llm.engine).__module__]
+    assert callable(module.build_step_inputs)  # profile_engine and prefill_host wrap it
+
+
+def test_decode_graphs_have_what_the_profiler_reads():
+    """runner.graphs is None on a CPU; its class (CUDA only) must keep these names."""
+    from detlora.engine.runner.decode_graphs import DecodeGraphs
+
+    for name in ("stage", "bucket_for"):
+        assert callable(getattr(DecodeGraphs, name, None)), name
+    assert "self.graphs" in inspect.getsource(DecodeGraphs.__init__)
