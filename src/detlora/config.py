@@ -12,7 +12,8 @@ from enum import Enum
 
 
 class Determinism(str, Enum):
-    """What the engine promises about the bits of an output (DESIGN.md, "Determinism levels")."""
+    """What the engine promises about the bits of an output (docs/design.md, "Determinism
+    levels")."""
 
     FAST = "fast"  # no promise: atomic Split-K, vendor GEMMs
     RUN_TO_RUN = "run_to_run"  # same batch, same bits
@@ -57,9 +58,8 @@ class LoRAReduction(str, Enum):
 DEFAULT_DETERMINISM = Determinism.BATCH_INVARIANT
 
 # The reduction each level uses unless ``lora_reduction`` overrides it. The deterministic
-# levels take in_gemm: at batch 64 on the H200 a decode replay took 3430 us against 3633-3652
-# us with the ordered shrink beside the GEMM (run_to_run), and 4059 against 4301-4320 us with
-# ordered_bi (batch_invariant); benchmarks/results/profile_in_gemm.json.
+# levels take in_gemm, faster than a shrink kernel beside the GEMM (see docs/decisions.md,
+# "in_gemm by default").
 DEFAULT_LORA_REDUCTION: dict[Determinism, LoRAReduction] = {
     Determinism.FAST: LoRAReduction.ATOMIC,
     Determinism.RUN_TO_RUN: LoRAReduction.IN_GEMM,

@@ -163,7 +163,8 @@ _OPS: dict[str, tuple[str, str, str]] = {
 _POLICY: dict[Determinism, dict[str, str]] = {
     Determinism.FAST: {**dict.fromkeys(_OPS, "any"), "linear": "vendor",
                        "paged_attention": "split_kv"},
-    # cuBLAS and split-KV are repeatable for a fixed batch; the LoRA shrink is ordered.
+    # cuBLAS and split-KV are repeatable for a fixed batch; the LoRA shrink is deterministic
+    # (in_gemm by default).
     Determinism.RUN_TO_RUN: {**dict.fromkeys(_OPS, "any"), "linear": "vendor",
                              "paged_attention": "split_kv"},
     # Gathers and elementwise ops are batch-invariant even as torch references; every op

@@ -3,8 +3,7 @@
 The engine's model runner builds a ForwardBatch per step (and keeps static copies for CUDA
 graphs); the model reads it and knows nothing of sequences or scheduling.
 
-The whole model / engine / OpBackend / LoRA contract is written down in
-docs/engine_contract.md (read it before working on engine/, models/, layers/ or lora/).
+How engine/, models/, layers/ and lora/ fit together: docs/design.md.
 """
 
 from __future__ import annotations

@@ -180,9 +180,8 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every LoRA shrink on ``device`` runs on (one per device). A high-priority
-    stream changed nothing at batch 64, and the main stream was slower
-    (benchmarks/results/profile_shrink_stream.json)."""
+    """The stream every LoRA shrink on ``device`` runs on (one per device), beside the base
+    GEMM on the main stream (see docs/decisions.md, "Shrink stream")."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     stream = _SIDE_STREAMS.get(device)

@@ -23,7 +23,7 @@ def run_replay_table(
     slices: int = 3, adapters: int = 2,
 ) -> list[dict]:
     device = torch.device("cuda" if on_gpu else "cpu")
-    # The interpreter computes bf16 tl.dot wrongly (DESIGN.md), so the CPU run uses fp16.
+    # Triton's interpreter computes bf16 tl.dot wrongly, so the CPU run uses fp16.
     dtype = torch.bfloat16 if on_gpu else torch.float16
     executions = executions or (200 if on_gpu else 4)
     hidden = hidden or (3072 if on_gpu else 320)

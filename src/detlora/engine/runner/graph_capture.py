@@ -48,8 +48,8 @@ def gc_paused() -> Iterator[None]:
     ends (restored on errors). torch's ``graph`` no longer collects before capturing (torch
     2.11), and a dropped engine lives in cycles (its runner's graphs hold its bound forward)
     until a collection: one that started mid-capture destroyed that engine's CUDA graphs
-    there, which silently invalidates the capture (benchmarks/results/capture_gc_probe.json;
-    freeing pinned buffers or events there did not)."""
+    there, which silently invalidates the capture (see docs/decisions.md, "Capture with the
+    GC paused")."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()

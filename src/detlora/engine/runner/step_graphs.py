@@ -1,9 +1,9 @@
 """CUDA graphs for prefill and mixed steps: one graph per (token bucket, sequence bucket).
 
-An eager step launches ~370 kernels, and each costs the host tens of microseconds of Python
-(argument checks, Triton's launcher): a 100-token prefill of the 3B bench model spends ~30 ms
-enqueueing ~3.5 ms of GPU work (benchmarks/results/prefill_host.json). A step of T tokens
-from S sequences replays instead the graph of the smallest captured (Tb >= T, Sb >= S).
+An eager step launches a few hundred kernels, and each costs the host tens of microseconds of
+Python (argument checks, Triton's launcher), far more than the GPU work of a short prefill
+(see docs/decisions.md, "Step graphs"). A step of T tokens from S sequences replays instead
+the graph of the smallest captured (Tb >= T, Sb >= S).
 
 Layout of a bucket's inputs (static buffers, views of the largest bucket's):
     tokens 0..T-1        the step's rows, as the eager ForwardBatch has them;
@@ -36,7 +36,7 @@ from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# Up to 256 sequences: an arrival beside >64 running sequences ran eagerly (~30 ms of host).
+# Up to 256 sequences, so that an arrival beside many running sequences still replays a graph.
 SEQ_BUCKETS = (1, 4, 16, 64, 128, 256)
 
 

@@ -19,14 +19,13 @@ row's result does not depend on the other rows of the batch. ``adjust_row_ref`` 
 reference of one row.
 
 Penalties are computed on the device from the rows' raw token ids: the host uploads each
-penalized row's prompt and output ids as they are (no deduplication or counting in Python:
-that cost ~4 ms of host time a step at batch 64 on our CPU). The device sorts the (row, token)
-keys of every id, so each seen entry is one run of equal keys; a run's output count is a
-difference of a running sum of ones (exact integers), and every id of the run writes the same
-penalized value, with the reference's arithmetic per element. The work follows the ids, not
-the vocabulary: at batch 64 on the H200 this cut the GPU time penalized rows add to a step from
-0.56 to 0.30 ms against a dense [rows, V] count table (penalized_profile*.json). In a step
-launched ahead (the engine's run-ahead) the row's last output token is still on the device,
+penalized row's prompt and output ids as they are (no deduplication or counting in Python,
+which cost the host milliseconds a step). The device sorts the (row, token) keys of every
+id, so each seen entry is one run of equal keys; a run's output count is a difference of a
+running sum of ones (exact integers), and every id of the run writes the same penalized
+value, with the reference's arithmetic per element. The work follows the ids, not the
+vocabulary, unlike a dense [rows, V] count table (see docs/decisions.md, "Penalties"). In a
+step launched ahead (the engine's run-ahead) the row's last output token is still on the device,
 where the sampler of the step before left it: the device reads it there as one more output id.
 """
 
@@ -155,8 +154,8 @@ def _penalize(v: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor
 
 def fill_at(x: torch.Tensor, index: tuple[torch.Tensor, ...], value: float | bool) -> None:
     """``x[index] = value`` for index tensors, queued without a host sync: through
-    ``__setitem__`` a Python scalar made the host wait for the GPU (20 ms behind a 20 ms
-    kernel, benchmarks/results/penalty_sync_probe.json), which undid running ahead."""
+    ``__setitem__`` a Python scalar makes the host wait for the GPU, which undoes running
+    ahead."""
     x.index_put_(index, torch.full((), value, dtype=x.dtype, device=x.device))
 
 
