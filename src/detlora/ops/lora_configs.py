@@ -151,7 +151,7 @@ def ordered_bi_split(hidden: int) -> int:
 
 # ordered_bi: one CTA per chunk up to this many rows (decode), one CTA per group above.
 BI_CHUNK_CTAS_UP_TO_ROWS = 64
-# One CTA for all of K once the (M, N) tiles alone fill the GPU twice (132 SMs on an H200).
+# One CTA for all of K once the (M, N) tiles alone fill the GPU twice (132 SMs on an H100/H200).
 BI_WHOLE_K_FROM_TILES = 264
 
 
@@ -168,11 +168,8 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
                         group_chunks=BI_GROUP_CHUNKS, cta_covers=covers)
 
 
-# Up to this many rows (decode) the expand takes narrower tiles: more CTAs for few rows. On the
-# H200 (benchmarks/results/expand_configs.json, Llama-3.2-3B projections, rank 16) 32 x 64
-# tiles tied for the fastest of 24 tilings at M = 64, summed over the four projections (12.1
-# against 13.5 us with 64 x 128; each within 5% of its own best), and 16 x 64 was fastest at
-# M = 16 (10.5 against 10.8 us).
+# Up to this many rows (decode) the expand takes narrower tiles: more CTAs for few rows
+# (32 x 64, and 16 x 64 up to 16 rows; see docs/decisions.md, "Expand tiles").
 DECODE_ROWS = 64
 
 

@@ -20,9 +20,9 @@ not by the expand kernel's MMA, so its bits may differ from the unfused expand i
 place; they never depend on the batch. An engine must run it for every LoRA o/down output
 (never the unfused pair for some batches), so that a row is always computed one way.
 
-Not used by the engine: on the H200 it was no faster at decode (engine TPOT at batch 64
-unchanged) and slower for prefill rows (140 against 76 us at M = 6400, H = 3072: each row
-gathers its adapter's whole B), benchmarks/results/fused_lora_ops.json. It stays a tested op.
+Not used by the engine: it was no faster at decode and slower for prefill rows, where each
+row gathers its adapter's whole B (see docs/decisions.md, "Fused expands"). It stays a
+tested op.
 
 Kernel: one program per ``rms_norm_config(H).rows`` rows (a row of H <= 8192 is one
 register tile, as in ``fused_add_rms_norm``). Phase 1 gathers the rows' B [BLOCK, rank chunk]

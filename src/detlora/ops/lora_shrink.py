@@ -30,9 +30,8 @@ Reductions: how the H axis is summed when it is split across CTAs (Split-K).
 Deferred (``defer=True``; unsplit, ordered and ordered_bi): every CTA stores its unscaled
 partial and exits, and ``lora_expand`` sums the partials in the same tree (see
 ``lora_partials``): the same bits, without the counter and the last CTA's reload. The engine
-does not defer: beside its base GEMM at batch 64 the shrink's tail was not what the expand
-waited for, and the expand's extra loads cost more (``profile_deferred.json``: run_to_run
-replay 3768 us deferred against 3633-3652 us; batch_invariant 4320 against 4301-4313 us).
+does not defer: beside its base GEMM the shrink's tail was not what the expand waited for,
+and the expand's extra loads cost more (see docs/decisions.md, "Deferred partials").
 """
 
 from __future__ import annotations

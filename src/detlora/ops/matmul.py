@@ -11,7 +11,7 @@ Semantics:
     (``input_precision="ieee"``, no TF32), like ``torch.mm`` with its default
     ``allow_tf32=False``.
 
-Reduction order (DESIGN.md, "Split-invariant reductions"): ``k_split(N, K, dtype)`` fixes
+Reduction order (docs/design.md, "Split-invariant reductions"): ``k_split(N, K, dtype)`` fixes
 BLOCK_K and cuts the K axis into S chunks of ``chunk_blocks`` BLOCK_K blocks. Each chunk is
 summed block by block from zero (one MMA chain), and the chunk sums are added to a total that
 starts at zero, in chunk order: ``y = ((0 + p0) + p1) + ... + p(S-1)``, then ``+ bias``, then
@@ -115,9 +115,9 @@ def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
     """The reduction order for an [N, K] weight: a function of (N, K, dtype) alone.
 
     bf16/fp16: no split (S = 1) once N gives decode at least ``_UNSPLIT_TILES`` tiles of 16
-    columns; measured on the H200 (matmul_split_counts.json), such tiles loading 128-256 K
-    elements at a time already keep decode at cuBLAS's speed, while every S > 1 costs 15-25%
-    at 1024+ rows (a second accumulator, 128x128 tiles at most). Narrower outputs split K
+    columns: such tiles loading 128-256 K elements at a time already keep decode at cuBLAS's
+    speed, while every S > 1 slows many rows (a second accumulator, 128x128 tiles at most;
+    see docs/decisions.md, "Matmul split counts"). Narrower outputs split K
     until about two CTAs per SM. fp32 dots run on FMA units in 64-wide tiles and keep the
     split for every N below 4096.
     """
@@ -165,7 +165,7 @@ class MatmulConfig:
         return self.load_k or self.k_split.block_k
 
 
-# Tile shapes measured on the H200 (configs/matmul.json). Persistent: (BLOCK_M, BLOCK_N, warps,
+# Tile shapes, measured (configs/matmul.json). Persistent: (BLOCK_M, BLOCK_N, warps,
 # stages, CTAs per SM, relative speed of one SM on that tile). Two-part, one CTA per tile when
 # S = 1 and one wave fills at least ``_TWO_PART_MIN_FILL`` of the SMs: (BLOCK_M, BLOCK_N,
 # BLOCK_N2, warps, stages, relative speed). Grid, one CTA per tile for an unsplit K at a few
@@ -215,9 +215,8 @@ def matmul_config(
                             num_stages=3, split_ctas=m <= 64)
     if m <= 64:
         # Decode: narrow tiles until they fill about half the GPU, loading wide K blocks so
-        # that few CTAs still keep enough bytes in flight (matmul_split_counts.json,
-        # matmul_decode_tiles.json: 4 stages of 256-wide loads in 16-32 column tiles, 6 of
-        # 128-wide loads in 64 column tiles).
+        # that few CTAs still keep enough bytes in flight (4 stages of 256-wide loads in 16-32
+        # column tiles, 6 of 128-wide loads in 64 column tiles; docs/decisions.md).
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = 64
         while bn > 16 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms // 2:
@@ -230,7 +229,7 @@ def matmul_config(
     if not multi and batch * cdiv(m, 128) * cdiv(n, 256) < half:
         # Unsplit, a few hundred rows: big tiles would leave most SMs idle, and every tiling
         # has the same bits, so take the largest tile that still fills half the GPU, one CTA
-        # each (matmul_unsplit_tiles.json: 1.2-2x faster than the persistent tiles there).
+        # each (faster than the persistent tiles there).
         tile = next((t for t in _GRID_TILES if batch * cdiv(m, t[0]) * cdiv(n, t[1]) >= half),
                     _GRID_TILES[-1])
         bm, bn, warps, stages, load_k = tile
@@ -251,7 +250,7 @@ def matmul_config(
             best, best_cost = (bm, bn, warps, stages, per_sm), cost
     if not multi and batch == 1 and best[4] == 1:
         # Not against 64x128 at two CTAs per SM: where that was the pick, it beat the
-        # two-part tile (qwen q at M = 2112: 17.4 against 19.6 us, matmul_two_part_rule.json).
+        # two-part tile.
         for bm, bn, bn2, warps, stages, speed in _TWO_PART_TILES:
             tiles = cdiv(m, bm) * cdiv(n, bn + bn2)
             cost = bm * (bn + bn2) / speed
@@ -262,12 +261,11 @@ def matmul_config(
     if multi and m <= 512 and batch * cdiv(m, 128) * cdiv(n, 128) < num_sms // 4:
         # Too few tiles to fill a quarter of the GPU: spread each tile's chunks over CTAs
         # instead (their partials cost M x N x S x 8 bytes of scratch traffic, so only for few
-        # rows). Measured at M = 256 (matmul_sweep.json): 16 tiles (qwen down) favour the
-        # split, 48 tiles (llama o, down) the persistent kernel.
+        # rows). At M = 256, 16 tiles (qwen down) favoured the split, 48 tiles (llama o,
+        # down) the persistent kernel.
         return MatmulConfig(ks, 64, 128, num_warps=4, num_stages=4, split_ctas=True)
     # S > 1 runs the nested loops: a flattened loop that also carries the chunk boundaries
-    # ran 1.3-1.45x slower on the H200 (matmul_sweep.json: llama o at M = 4096, S = 6,
-    # 209 us flattened vs 147 us nested); with S = 1 the flattened loop is as fast or faster.
+    # ran slower; with S = 1 the flattened loop is as fast or faster.
     return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=False,
                         flatten=not multi, programs_per_sm=per_sm)
 

@@ -124,10 +124,9 @@ def paged_attention_ref(
 
 BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
-_TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each. Sizes grids only, never decides bits.
-# Split the KV axis only below this many (query tile, KV head) pairs: at batch 32 (256 pairs)
-# one flattened loop per tile beat the split at 1k-32k, at batch 16 (128) the split won
-# (attention_split_threshold.json). Never decides bits.
+_TARGET_CTAS = 264  # 132 SMs (H100/H200), two CTAs each. Sizes grids only, never decides bits.
+# Split the KV axis only below this many (query tile, KV head) pairs: with more, one flattened
+# loop per tile beats the split (see docs/decisions.md, "Attention split"). Never decides bits.
 _SPLIT_BELOW = 192
 _MAX_SCRATCH_FLOATS = 1 << 25  # 128 MB of split-KV partials at most, unless forced
 _MERGE_ROWS = 16  # rows per step of the last CTA's fold (elementwise: any value is exact)
@@ -167,10 +166,9 @@ def decode_tile_config(head_dim: int, group: int) -> TileConfig | None:
     It gives the bits of ``tile_config``'s tile: the dots' sums over the head dimension and
     the keys come out of the MMA unit in the same order on either tile, and the one row
     reduction that follows the register layout, the softmax denominator, is a fixed tree
-    (``row_sum_64``); tests/gpu/test_paged_attention_gpu.py checks it bit for bit on the H200.
-    A 64-row tile wastes 61 of its rows on a decode step of 3 heads per KV head. On the H200
-    (batch_invariant_ops.json, Llama-3.2-3B heads, 64-row -> 16-row tile): batch 1 at 8k keys
-    24.7 -> 20.5 us, batch 16 at 8k 191 -> 158 us, batch 64 at 8k 662 -> 565 us."""
+    (``row_sum_64``); tests/gpu/test_paged_attention_gpu.py checks it bit for bit on the GPU.
+    A 64-row tile wastes 61 of its rows on a decode step of 3 heads per KV head (see
+    docs/decisions.md, "Attention decode tile")."""
     if group > 16 or head_dim > 128:
         return None
     return TileConfig(block_m=16, num_warps=4, num_stages=3)
@@ -322,11 +320,8 @@ def attend_blocks(
     block deep only (Triton 3.6 then waits for every copy at each block). It deepens the
     pipeline (one more K/V buffer, so fewer CTAs fit on an SM) and never changes the
     arithmetic. Both kernels use it only when the KV axis is split over CTAs, i.e. when query
-    tiles are few and each CTA's latency is what counts. Measured on the H200
-    (benchmarks/results/attention_prefetch.json): with it, batch 1 at 8k runs 28 -> 24 us
-    (batch-invariant) and 19.2 -> 17.6 us (split-KV); without a split it cost the split-KV
-    kernel 72 -> 86 us at batch 64, 1k, and the batch-invariant one 26.7 -> 28.1 us per layer
-    in the engine's batch-64 decode (contexts of about 128).
+    tiles are few and each CTA's latency is what counts; without a split the extra buffer
+    costs more than it hides (see docs/decisions.md, "Attention page prefetch").
     """
     offs_n = tl.arange(0, BLOCK_N)
     if PREFETCH_PAGES:
@@ -505,8 +500,8 @@ def _fold_partials(tot_m, tot_den, tot_a, parts):
 
 
 # The batch-dependent arguments (STEP_INTS, INDEX_POINTERS) are not specialized: each new
-# ``x == 1``, ``x % 16`` or alignment would compile another variant (~1.2 s on the H200, in
-# the middle of serving) for loop bounds, masks and scalar loads that gain nothing from it.
+# ``x == 1``, ``x % 16`` or alignment would compile another variant (about a second, in the
+# middle of serving) for loop bounds, masks and scalar loads that gain nothing from it.
 @triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks"],
             do_not_specialize_on_alignment=[*INDEX_POINTERS, "counter_ptr"])
 def _paged_attention_kernel(
@@ -596,8 +591,7 @@ def _paged_attention_kernel(
     if SPLIT:
         # A CTA takes every num_programs(2)-th segment, each in its own block loop, and stores
         # each segment's partial for the fold below. (One flattened loop over a run of
-        # consecutive segments, storing at each segment end, ran 1.1-1.35x slower here:
-        # attention_flat_segments.json.)
+        # consecutive segments, storing at each segment end, ran slower here.)
         seg_first = tl.program_id(2)
         seg_step = tl.num_programs(2)
         mine = tl.cdiv(n_segs - seg_first, seg_step)
@@ -638,8 +632,7 @@ def _paged_attention_kernel(
     else:
         # One pipelined loop over all key blocks: at each segment end the segment's
         # (m, den, acc) joins the running total and restarts, so the K/V pipeline never drains
-        # between segments (the arithmetic of a block loop per segment; 7-10% faster at
-        # batch 64: attention_flat_segments.json).
+        # between segments (the arithmetic of a block loop per segment, and faster).
         big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
         m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
@@ -678,7 +671,7 @@ def _paged_attention_kernel(
                     tot_m, tot_den, tot_a = _empty_segment(MERGE_ROWS, HEAD_DIM)
                     # Eight segments' loads in flight, then eight folds in order (a fold past
                     # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
-                    # (Sixteen in flight measured no faster: attention_flat_segments.json.)
+                    # (Sixteen in flight measured no faster.)
                     for s0 in range(0, n_segs, 8):
                         parts = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
                                                offs_d, ok, part_stride, HEAD_DIM)
@@ -935,10 +928,8 @@ def default_kv_ctas(tiles: int, scratch_floats: int) -> int:
     """CTAs per query tile when the caller does not say: split the KV axis only when there
     are fewer than ``_SPLIT_BELOW`` (query tile, KV head) pairs and the partials fit, into
     enough CTAs to give the GPU about ``_TARGET_CTAS``, rounded down to a power of two so that
-    they share a context's (power-of-two many) segments evenly: on the decode tile that was as
-    fast or faster at every measured point, e.g. batch 16 at 32k keys 755 -> 587 us with 2
-    CTAs per tile instead of 3, batch 8 at 8k 112 -> 88 us with 4 instead of 5
-    (attention_decode_ctas.json). Never decides bits."""
+    they share a context's (power-of-two many) segments evenly (see docs/decisions.md,
+    "Attention split"). Never decides bits."""
     if tiles < _SPLIT_BELOW and scratch_floats <= _MAX_SCRATCH_FLOATS:
         return 1 << (cdiv(_TARGET_CTAS, tiles).bit_length() - 1)
     return 1

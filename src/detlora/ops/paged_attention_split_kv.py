@@ -31,7 +31,7 @@ from detlora.ops.paged_attention import (
 )
 from detlora.ops.pdl import pdl_kwargs, pdl_start
 
-_TARGET_CTAS = 264  # H200: 132 SMs, two CTAs each
+_TARGET_CTAS = 264  # 132 SMs (H100/H200), two CTAs each
 _MAX_SPLITS = 128
 _MAX_SCRATCH_FLOATS = 1 << 25
 

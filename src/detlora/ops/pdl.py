@@ -12,21 +12,11 @@ returns once the previous kernel has completed and its writes are visible. Every
 here opens with ``pdl_start``: trigger, then wait, unconditionally and before any load or
 store, so "completed" is transitive along the chain.
 
-Which kernels (engine benchmark model on the H200, ``benchmarks/experiments/pdl_decode.py``):
-RMSNorm, the LoRA expands and both attention kernels (with the split-KV combine and the KV
-write). The batch-invariant matmul launches plainly. With PDL (waiting at its start, triggering
-after its K loop, with or without an L2 prefetch of its weight tile before the wait) the main
-stream's idle time fell from 135 to 8 us per batch-1 replay, but the replay grew from 2,996
-to 3,136-3,432 us (``pdl_decode_variants_1.json``, ``_2.json``). With the small kernels alone:
-run_to_run's batch-1 replay 3,042 -> 2,934 us; batch_invariant's 2,997 -> 3,030 us at batch 1
-and 3,716 -> 3,738 us at batch 64, about even.
-
-Only the engine's decode graphs launch with PDL (``pdl_launches``); eager steps (prefill) stay
-plain. With PDL on every launch (905e743), ``fast``'s prefill ran at 59.7k tok/s at batch 64
-against 81-85k in every earlier run and 81.4k again once eager launches were plain (b02e019).
-PDL on the ops benchmark's graphs of one op also cut rms_norm at M = 1 from 1.58 to 1.17 us
-but slowed batch-1 attention at 8k from 22.1 to 24.3 us
-(``bi_ops_pdl_everywhere_905e743.json``).
+Which kernels: RMSNorm, the LoRA expands and both attention kernels (with the split-KV
+combine and the KV write). The batch-invariant matmul launches plainly: every PDL variant of
+it made the decode step slower. Only the engine's decode graphs launch with PDL
+(``pdl_launches``); eager steps (prefill) stay plain, because PDL there slowed prefill (see
+docs/decisions.md, "PDL").
 
 ``pdl_launch(tensor)`` is False off sm_90+, in the interpreter, outside ``pdl_launches``, and
 with ``DETLORA_PDL=0`` (for measuring the difference).

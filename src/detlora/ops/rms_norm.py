@@ -16,8 +16,7 @@ Semantics:
 Kernels (``rms_norm``, ``fused_add_rms_norm``):
     Each program handles ROWS consecutive rows as one [ROWS, BLOCK] register tile and sums
     each row with ``tl.sum(axis=1)``; rows past T are masked. Short rows (H <= 1024) share a
-    program so that it moves a few KB at least; on the H200 more rows than that measured no
-    faster (``rms_norm_config``). By default
+    program so that it moves a few KB at least (``rms_norm_config``). By default
     ROWS and the warp count come from H alone (``rms_norm_config``), never from T, because
     together with BLOCK and the dtype they set the register layout and so the ``tl.sum``
     tree: that tree is fixed by H. Rows never share a sum, and row 0 of a one-row call runs
@@ -80,9 +79,8 @@ def normalize_store(x, inv, w_ptr, y_rows, o, ok, H: tl.constexpr):
     # One weight load per program, shared by its rows.
     w = tl.load(w_ptr + o, mask=o < H, other=0.0, eviction_policy="evict_last").to(tl.float32)
     y = x * inv[:, None] * w[None, :]
-    # evict_first: the output is streamed out. Measured on the H200
-    # (benchmarks/results/rms_norm_store_hints.json): 1-9% faster for rms_norm at M 1024-4096,
-    # neutral for the fused op.
+    # evict_first: the output is streamed out, and nothing reads it again soon (see
+    # docs/decisions.md, "RMSNorm").
     tl.store(y_rows + o[None, :], y.to(y_rows.dtype.element_ty), mask=ok,
              eviction_policy="evict_first")
 
@@ -214,10 +212,8 @@ def rms_norm_config(hidden: int) -> RmsNormConfig:
     """The default tiling for rows of ``hidden`` elements: a function of H only.
 
     Rows up to a 2048-element tile (at most 16), a warp per 512 elements (16 a thread), at
-    most 8: H 1024 gets 2 rows and 4 warps, H 3072 (BLOCK 4096) and wider one row and 8 warps.
-    Measured on the H200 (benchmarks/results/rms_norm_sweep.json, M 1024 and 4096, both ops):
-    these are the fastest or within 2% of the fastest of rows 1-8 x warps 1-8; more rows per
-    program did not bring either op closer to the bandwidth floor.
+    most 8: H 1024 gets 2 rows and 4 warps, H 3072 (BLOCK 4096) and wider one row and 8 warps
+    (measured: see docs/decisions.md, "RMSNorm").
     """
     block, _ = rms_norm_blocks(hidden)
     rows = min(_MAX_DEFAULT_ROWS, max(1, _TILE // block))

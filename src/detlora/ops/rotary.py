@@ -92,7 +92,7 @@ def rotate(x1, x2, c, s):
     """The neox rotation of fp32 halves (x1, x2) by (cos, sin): the one place its arithmetic
     lives, so every kernel that rotates gives the same bits. The FMAs are explicit: left to
     itself the compiler fuses one product or the other depending on the code around the
-    call (the H200 gave other bits for a few elements when the fused q|k|v kernel moved its
+    call (on the GPU a few elements changed bits when the fused q|k|v kernel moved its
     cos/sin loads), so the bits would change with the kernel."""
     return tl.fma(x1, c, -(x2 * s)), tl.fma(x2, c, x1 * s)
 

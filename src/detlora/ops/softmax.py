@@ -24,7 +24,7 @@ same M and S bit for bit, thread by thread; nothing depends on T, and a decode s
 V = 128k) gets as many CTAs as chunks. Thread by thread: on the GPU the merge's first
 butterfly step is contracted to an FMA (s_c * exp(...) + the other lane's rounded product),
 so lanes 0-15 and 16-31 of a warp may hold S an ulp apart, and each element uses the S of
-the thread that holds it (seen on the H200).
+the thread that holds it (seen on the GPU).
 
 chosen_logprob: the same chunk statistics (several chunks), then one program per row does
 what the log-softmax kernel's program for the chunk holding index[t] does (the same chunk
