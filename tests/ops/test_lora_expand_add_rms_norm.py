@@ -18,7 +18,7 @@ from detlora.ops.rms_norm import fused_add_rms_norm
 def make(m, hidden, r, adapters, seed, dtype=torch.float16):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(1, m, r, generator=g)
-    # fp16 B: the interpreter multiplies bf16 dot operands wrongly (DESIGN.md); no dot here,
+    # fp16 B: the interpreter multiplies bf16 dot operands wrongly (docs/design.md); no dot here,
     # but the GPU tests take bf16 anyway.
     b = (torch.randn(adapters, hidden, r, generator=g) / r**0.5).half()
     ids = torch.randint(-1, adapters, (m,), generator=g, dtype=torch.int32)

@@ -61,7 +61,7 @@ def test_same_bits_as_expand_then_rotary_write_kv(m, hq, hk, d, r, dtype):
     want_q, want_kc, want_vc = unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d)
     assert got_q.dtype == dtype and torch.equal(got_q, want_q)
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
-    # Against the torch reference: the interpreter truncates bf16 roundings (DESIGN.md).
+    # Against the torch reference: the interpreter truncates bf16 roundings (docs/design.md).
     kr, vr = cache[0].clone(), cache[1].clone()
     ref_q = lora_expand_rotary_write_kv_ref(y, h, b, ids, offsets, pos, cos_sin, kr, vr, slots)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2

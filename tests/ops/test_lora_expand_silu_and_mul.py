@@ -50,7 +50,7 @@ def test_same_bits_as_expand_then_silu_and_mul(m, inter, r, dtype):
     assert torch.equal(y, before)  # the base output is read, never written
     want = silu_and_mul(lora_expand(y.clone(), h, b, ids))
     assert got.dtype == dtype and torch.equal(got, want)
-    # bf16: four roundings, which the interpreter truncates (DESIGN.md), so a looser bound.
+    # bf16: four roundings, which the interpreter truncates (docs/design.md), so a looser bound.
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     for ref in (lora_expand_silu_and_mul_ref(y, h, b, ids).double(),
                 lora_expand_silu_and_mul_ref(y.double(), h.double(), b.double(), ids)):

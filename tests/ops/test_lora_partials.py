@@ -2,7 +2,7 @@
 as the reduced shrink followed by the expand, the reference reduction equal to the kernel's,
 and every bad input named.
 
-fp16 only: the interpreter computes bf16 tl.dot wrongly (DESIGN.md); bf16 is proved on the GPU.
+fp16 only: the interpreter computes bf16 tl.dot wrongly (docs/design.md); bf16 is GPU-tested.
 """
 
 import pytest

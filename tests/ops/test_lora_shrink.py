@@ -1,7 +1,7 @@
 """LoRA shrink in Triton's interpreter: every reduction against a float64 oracle, bitwise
 repeatability, the ordered_bi tree computed the same way on every path, and every bad input.
 
-fp16 only: the interpreter computes bf16 tl.dot wrongly (DESIGN.md); bf16 is proved on the GPU.
+fp16 only: the interpreter computes bf16 tl.dot wrongly (docs/design.md); bf16 is GPU-tested.
 """
 
 import pytest
