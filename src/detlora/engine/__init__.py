@@ -1,5 +1,5 @@
 """The inference engine: sequences, paged KV blocks, continuous batching, model runner (CUDA
-graphs for decode), batch-invariant sampler, fingerprints and the ``LLM`` API.
+graphs), batch-invariant sampler and fingerprints; ``LLM`` wraps it in ``detlora.entrypoints``.
 
 Import submodules directly (``detlora.entrypoints.llm``); importing this package loads nothing.
 """

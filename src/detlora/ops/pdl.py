@@ -14,8 +14,8 @@ store, so "completed" is transitive along the chain.
 
 Which kernels: RMSNorm, the LoRA expands and both attention kernels (with the split-KV
 combine and the KV write). The batch-invariant matmul launches plainly: every PDL variant of
-it made the decode step slower. Only the engine's decode graphs launch with PDL
-(``pdl_launches``); eager steps (prefill) stay plain, because PDL there slowed prefill (see
+it made the decode step slower. Only the engine's CUDA graphs (decode and step graphs) launch
+with PDL (``pdl_launches``); eager steps stay plain, because PDL there slowed prefill (see
 docs/decisions.md, "PDL").
 
 ``pdl_launch(tensor)`` is False off sm_90+, in the interpreter, outside ``pdl_launches``, and

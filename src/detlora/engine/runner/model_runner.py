@@ -3,7 +3,7 @@
 The runner owns the paged KV cache (allocated through the model, which binds the per-layer
 pages to its attention layers) and, on CUDA unless ``enforce_eager``, the CUDA graphs: a step
 where every sequence decodes one token replays the decode graph of its padded batch size
-(cuda_graphs.py); another step replays the step graph of its padded token and sequence
+(decode_graphs.py); another step replays the step graph of its padded token and sequence
 counts (step_graphs.py) when one holds it, else runs eagerly. It returns the logits of the
 rows that sample in the model dtype (the LM head's output, not upcast: the sampler reads it
 as it is).
