@@ -127,18 +127,27 @@ def test_chosen_logprob_matches_every_lane_of_the_log_softmax_kernel(dtype):
     assert torch.equal(chosen_logprob(rows, index), want)
 
 
+def _fp32_head(x32: torch.Tensor) -> torch.Tensor:
+    """The greedy head before chosen_logprob, from fp32 logits: argmax and a full log_softmax
+    gathered; a row with a -inf (not finite) gets token 0 and flag 0."""
+    finite = torch.isfinite(x32).all(dim=-1)
+    tokens = torch.where(finite, argmax(x32), 0)
+    return torch.stack([tokens.double(),
+                        log_softmax(x32).gather(1, tokens[:, None])[:, 0].double(),
+                        finite.double()], dim=1)
+
+
 @pytest.mark.parametrize("t", [1, 3, 64])
 def test_greedy_head_of_bf16_logits_is_the_fp32_heads_bits(t):
     """The head the decode graph computes, reading the bf16 LM-head output, against the previous
     one (argmax and a full log_softmax of the fp32 copy), eagerly and inside a CUDA graph."""
     x, _ = _head_logits(t, torch.bfloat16, seed=10 + t)
     x32 = x.float()
-    tokens = argmax(x32)
-    old = torch.stack([tokens.double(),
-                       log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
+    old = _fp32_head(x32)
     s = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
                 logits_dtype=torch.bfloat16, kernels=True)
-    assert torch.equal(argmax(x), tokens)
+    assert torch.equal(argmax(x), argmax(x32))
+    assert old[:, 2].tolist() == [0.0] * min(t, 2) + [1.0] * (t - 2)  # the -inf rows
     assert torch.equal(s.greedy_head(x), old)
     static = x.clone()
     s.greedy_head(static)  # warm-up: compiles outside the capture
@@ -180,9 +189,7 @@ def test_sampler_on_bf16_logits_gives_the_fp32_paths_results(n):
     new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob,
                   logits_dtype=torch.bfloat16, kernels=True)
     old = Sampler(argmax, log_softmax, logits_dtype=torch.bfloat16, kernels=True)
-    tokens = argmax(x32)
-    old_head = torch.stack([tokens.double(),
-                            log_softmax(x32).gather(1, tokens[:, None])[:, 0].double()], dim=1)
+    old_head = _fp32_head(x32)
     want = old(x32, reqs, greedy=old_head)
     assert old(x32, reqs) == want
     assert new(x, reqs, greedy=new.greedy_head(x)) == want

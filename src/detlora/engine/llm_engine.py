@@ -22,7 +22,13 @@ from detlora.engine.runner import kv_sizing
 from detlora.engine.runner.model_runner import ModelRunner
 from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
 from detlora.engine.sample.logit_adjust import has_adjustments, row_adjust
-from detlora.engine.sample.sampler import PendingSample, Sampler, SampleRequest, derive_seed
+from detlora.engine.sample.sampler import (
+    PendingSample,
+    Sampler,
+    SampleRequest,
+    SampleResult,
+    derive_seed,
+)
 from detlora.engine.sample.stop_strings import match_stop_string
 from detlora.engine.sched.block_hashes import UNREAD
 from detlora.engine.sched.block_manager import BlockManager
@@ -42,6 +48,7 @@ class _InFlight:
     seqs: list[Seq]
     positions: list[int]  # index of each row's token in its sequence's token_ids
     pending: PendingSample
+    step: int  # the engine step that launched it (LLMEngine.num_steps), for error messages
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -376,7 +383,7 @@ class LLMEngine:
         positions = [len(s.token_ids) for s in sampling]
         for s in sampling:  # the token's place, filled when the step is read
             s.token_ids.append(UNREAD)
-        return _InFlight(sampling, positions, pending)
+        return _InFlight(sampling, positions, pending, self.num_steps)
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when it is sure to be a decode
@@ -419,6 +426,12 @@ class LLMEngine:
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
             if seq.is_finished:
                 continue  # finished by the step before: this row ran ahead for nothing
+            if not result.finite or not 0 <= result.token_id < self.spec.vocab_size:
+                del seq.token_ids[pos:]  # its unread token (and one launched ahead)
+                seq.error = self._nonfinite_message(seq, pos, inflight.step, result)
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                finished.append(self.output_of(seq))
+                continue
             seq.token_ids[pos] = result.token_id
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
@@ -429,6 +442,18 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 finished.append(self.output_of(seq))
         return finished
+
+    def _nonfinite_message(self, seq: Seq, pos: int, step: int, result: SampleResult) -> str:
+        """Why a row's sampling failed: whose logits, and where."""
+        lora = seq.lora
+        who = ("the base model" if not isinstance(lora, LoRARequest) else
+               f"adapter {lora.name!r} (id {lora.id}, {lora.path})")
+        what = ("were not finite (NaN or inf)" if not result.finite else
+                f"gave token id {result.token_id}, outside the vocabulary "
+                f"[0, {self.spec.vocab_size})")
+        return (f"the logits of {who} {what} when sampling output token "
+                f"{pos - seq.num_prompt_tokens + 1} (engine step {step}); the request was "
+                "stopped, the others go on")
 
     def _score_prompts(self, step: StepInputs, seqs: list[Seq], hidden: torch.Tensor) -> None:
         """Append the prompt logprobs of ``step.prompt_rows`` (their hidden states) to their
@@ -505,6 +530,7 @@ class LLMEngine:
             # Each entry lists the chosen token first; summed in token order.
             cumulative_logprob=None if logprobs is None
             else sum(next(iter(d.values())) for d in logprobs),
+            error=seq.error,
         )
         return RequestOutput(
             request_id=seq.request_id,

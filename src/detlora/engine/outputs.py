@@ -11,9 +11,12 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # one {token_id: logprob} per token
-    finish_reason: str | None  # "length" | "stop", None while unfinished
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error", None while unfinished
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS
     cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (with logprobs)
+    # With finish_reason "error": what went wrong (e.g. non-finite logits from an adapter);
+    # the tokens before it are kept, the other requests of the batch are unaffected.
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,8 @@ def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
     logits[2, :3] = logits[2].max()  # a tie: the lowest id must win through the head too
     s = sampler()
     head = s.greedy_head(logits)
-    assert head.shape == (6, 2) and head.dtype == torch.float64
+    assert head.shape == (6, 3) and head.dtype == torch.float64
+    assert head[:, 2].tolist() == [1.0] * 6  # every row finite
     for logprobs in (None, 0):
         reqs = [SampleRequest(SamplingParams(logprobs=logprobs), seed=k, position=9)
                 for k in range(6)]
@@ -262,7 +263,7 @@ def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
         want = s(logits[:rows], reqs)
         assert s(logits[:rows], reqs, greedy=head[:rows]) == want
         assert any(r.logprobs for r in want)
-    with pytest.raises(ValueError, match=r"greedy must be \[6, 2\]"):
+    with pytest.raises(ValueError, match=r"greedy must be \[6, 3\]"):
         s(logits, [SampleRequest(SamplingParams(), seed=0, position=1)] * 6, greedy=head[:3])
 
 
@@ -271,19 +272,21 @@ def _old_greedy_head(argmax, log_softmax, logits):
     x = logits.float()
     tokens = argmax(x).to(torch.int64)
     chosen = log_softmax(x).float().gather(1, tokens[:, None])[:, 0]
-    return torch.stack([tokens.double(), chosen.double()], dim=1)
+    finite = torch.isfinite(x).all(dim=-1)
+    return torch.stack([tokens.double(), chosen.double(), finite.double()], dim=1)
 
 
 def _decode_batch(rng, vocab, n):
-    """bf16 logits (-inf runs in some rows) and a decode step's requests: greedy rows beside
-    sampled ones (temperature, top-p, top-k), logprobs 0 or None, some sampled rows with
-    banned tokens: the batches the greedy head answers."""
+    """bf16 logits (runs of the lowest finite bf16 value in some rows: -inf would mark the
+    row as not finite) and a decode step's requests: greedy rows beside sampled ones
+    (temperature, top-p, top-k), logprobs 0 or None, some sampled rows with banned tokens:
+    the batches the greedy head answers."""
     g = torch.Generator().manual_seed(rng.randrange(1000))
     logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)
     for i in range(n):
         if rng.random() < 0.3:
             start = rng.randrange(vocab)
-            logits[i, start : start + vocab // 3] = float("-inf")
+            logits[i, start : start + vocab // 3] = torch.finfo(torch.bfloat16).min
     reqs = []
     for k in range(n):
         lp = rng.choice([0, 0, None])

@@ -19,7 +19,10 @@ parameters, seed and position, never on which other rows share the step:
   (``detlora.engine.sample.logit_adjust``); a call with such a row ranks every row in fp32;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
   The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
-  row only when a request wants top logprobs.
+  row only when a request wants top logprobs;
+* a row whose logits are not all finite (NaN, inf) is flagged (``SampleResult.finite``) and
+  gets a safe token id on the device (``detlora.engine.sample.finite_rows``): no id outside
+  the vocabulary ever comes out, and the flag travels in the same read as the tokens.
 
 Logits arrive in the model's dtype (the LM head's output: no fp32 copy of [N, V]) or fp32;
 every value the sampler computes is that of their fp32 upcast, so both give the same results.
@@ -40,6 +43,7 @@ import torch
 
 from detlora.config import SamplingParams
 from detlora.engine.runner.copy_fence import PinnedStaging
+from detlora.engine.sample.finite_rows import finite_rows, safe_tokens
 from detlora.engine.sample.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments, fill_at
 from detlora.engine.sample.token_filter import filter_logits
 
@@ -74,6 +78,7 @@ class SampleRequest:
 class SampleResult:
     token_id: int
     logprobs: dict[int, float] | None  # chosen token first, then the top ``params.logprobs``
+    finite: bool = True  # False: the row's logits held a NaN or inf (token_id is a stand-in)
 
 
 def derive_seed(engine_seed: int, index: int) -> int:
@@ -204,8 +209,9 @@ def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice],
 class PendingSample:
     """Sampled tokens on their way to the host.
 
-    ``tokens`` stays on the device (int64 or float64 ids, one per row) for a step launched
-    before this one is read; ``result()`` waits for the copy and parses it, once.
+    ``tokens`` stays on the device (int64 or float64 ids, one per row, always inside the
+    vocabulary) for a step launched before this one is read; ``result()`` waits for the copy
+    and parses it, once.
     """
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
@@ -286,15 +292,19 @@ class Sampler:
         return self._token_hash[key]
 
     def greedy_head(self, logits: torch.Tensor) -> torch.Tensor:
-        """float64 [N, 2]: every row's greedy token id and its logprob, as ``__call__`` gives
+        """float64 [N, 3]: every row's greedy token id, its logprob, and 1.0 when the row's
+        logits are all finite (else 0.0, the token a safe stand-in), as ``__call__`` gives
         them for a greedy row without banned tokens. Row-wise ops only, so it can run inside
-        a decode graph and be handed back to ``__call__`` as ``greedy``."""
+        a decode graph and be handed back to ``__call__`` as ``greedy``: the flag travels in
+        the graph's outputs."""
         # Both ops read the logits in their own dtype: the argmax of 16-bit values is that of
         # their fp32 upcast (exact), and chosen_logprob gives the upcast's bits.
-        tokens = self._argmax(logits).to(torch.int64)
-        head = torch.empty(logits.shape[0], 2, dtype=torch.float64, device=logits.device)
+        finite = finite_rows(logits)
+        tokens = safe_tokens(self._argmax(logits).to(torch.int64), finite)
+        head = torch.empty(logits.shape[0], 3, dtype=torch.float64, device=logits.device)
         head[:, 0].copy_(tokens)
         self._chosen_logprob(logits, tokens, out=head[:, 1])
+        head[:, 2].copy_(finite)
         return head
 
     def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int],
@@ -336,9 +346,9 @@ class Sampler:
         On CUDA nothing here waits for the device: the results travel to pinned memory
         behind the queued work, so the host can prepare (and launch) the next step first.
         ``greedy`` (from ``greedy_head`` of these logits) answers a batch whose rows are all
-        greedy, without banned tokens or top logprobs, with no further kernel. ``fed``: the
-        previous step's tokens on the device, for rows whose penalties count a token not
-        read yet (``RowAdjust.pending_src``)."""
+        greedy, without banned tokens or top logprobs, with no further kernel, and gives
+        every row's finite flag. ``fed``: the previous step's tokens on the device, for rows
+        whose penalties count a token not read yet (``RowAdjust.pending_src``)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits must be [N, vocab] with N = {len(requests)} rows, "
@@ -351,16 +361,17 @@ class Sampler:
         n, vocab = logits.shape
         if n == 0:
             return PendingSample.read(torch.empty(0, dtype=torch.int64), None, lambda v: [])
+        if greedy is not None and tuple(greedy.shape) != (n, 3):
+            raise ValueError(f"greedy must be [{n}, 3], got {tuple(greedy.shape)}")
         if greedy is not None and all(
             r.params.greedy and not r.banned_token_ids and not r.params.logprobs
             and r.adjust is None for r in requests
         ):
-            if tuple(greedy.shape) != (n, 2):
-                raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
-
             def parse_greedy(values: list[float]) -> list[SampleResult]:
-                return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp})
-                        for t, lp, r in zip(values[::2], values[1::2], requests, strict=True)]
+                return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp},
+                                     ok != 0.0)
+                        for t, lp, ok, r in zip(values[::3], values[1::3], values[2::3],
+                                                requests, strict=True)]
 
             return PendingSample.read(greedy.reshape(-1), greedy[:, 0], parse_greedy)
         device = logits.device
@@ -388,8 +399,6 @@ class Sampler:
         use_head = (greedy is not None and bool(greedy_rows) and bool(sampled) and top_n == 0
                     and not any(requests[i].banned_token_ids or requests[i].adjust is not None
                                 for i in greedy_rows))
-        if use_head and tuple(greedy.shape) != (n, 2):
-            raise ValueError(f"greedy must be [{n}, 2], got {tuple(greedy.shape)}")
         up = _Upload()
         g_rows = up.rows(greedy_rows, n) if greedy_rows and sampled else slice(None)
         s_rows = up.rows(sampled, n) if greedy_rows and sampled else slice(None)
@@ -413,11 +422,11 @@ class Sampler:
         if use_head:
             # Where the sampled rows' values go in the one read: each token at its row, each
             # chosen logprob at its row's place among the wanted rows (a row that does not
-            # want it: a spare slot after them, never read).
+            # want it: a spare slot after the rows' finite flags, never read).
             place = {i: n + j for j, i in enumerate(want)}
             with_lp = any(i in place for i in sampled)
             head_dst = list(sampled)
-            flat_size = n + len(want)
+            flat_size = 2 * n + len(want)
             if with_lp:
                 for i in sampled:
                     head_dst.append(place.get(i, flat_size))
@@ -431,6 +440,8 @@ class Sampler:
         g_sel, s_sel, w_sel = resolve(g_rows), resolve(s_rows), resolve(w_rows)
 
         # ---- device.
+        # Rows with a NaN or inf get a safe token below, and their flag goes in the read.
+        finite = finite_rows(logits) if greedy is None else greedy[:, 2] != 0
         raw = logits  # the model's dtype: the filters rank these (bf16: a 16-bit sort)
         if adjust_secs is not None:
             # Adjusted values are not exact in 16 bits: this call works in fp32 (an unadjusted
@@ -449,7 +460,7 @@ class Sampler:
         x = None if use_head or not greedy_rows else raw.float()
         tokens = tok_g = tok_s = filtered = None
         if greedy_rows and not use_head:
-            tok_g = self._argmax(x[g_sel]).to(torch.int64)
+            tok_g = safe_tokens(self._argmax(x[g_sel]).to(torch.int64), finite[g_sel])
         if sampled:
             # Temperatures travel as fp32 bits in the low half of int64 slots (little-endian).
             temps = dev[temp_sec].view(torch.float32)[::2]
@@ -464,6 +475,7 @@ class Sampler:
             th = self.token_hash(vocab, device)
             ops = self._ops
             tok_s = (ops.gumbel_argmax if kernels else ops.gumbel_argmax_ref)(filtered, keys, th)
+            tok_s = safe_tokens(tok_s, finite[s_sel])
         if use_head:
             return self._read_with_head(greedy, tok_s, filtered, dev[head_sec], with_lp,
                                         w_sel, len(want), flat_size,
@@ -478,8 +490,11 @@ class Sampler:
             tokens[s_sel] = tok_s
 
         if not want:
-            return PendingSample.read(tokens, tokens, lambda values: [
-                SampleResult(int(t), None) for t in values])
+            reads = [tokens, finite]
+            flat = torch.empty(2 * n, dtype=torch.float64, device=device)
+            for k, t in enumerate(reads):
+                flat[k * n : (k + 1) * n].copy_(t)
+            return PendingSample.read(flat, tokens, self._parser(requests, want, 0))
         if filtered is None:
             processed = x
         elif tok_g is None:
@@ -495,7 +510,8 @@ class Sampler:
             top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
             reads = [tokens, lp.gather(1, tokens[w_sel][:, None]), top_vals[:, :top_n],
                      top_ids[:, :top_n]]
-        # One read: token ids and fp32 logprobs are all exact in float64.
+        reads.append(finite)
+        # One read: token ids, fp32 logprobs and flags are all exact in float64.
         flat = torch.empty(sum(t.numel() for t in reads), dtype=torch.float64, device=device)
         offset = 0
         for t in reads:
@@ -511,32 +527,35 @@ class Sampler:
     ) -> PendingSample:
         """Tokens and chosen logprobs from the greedy head, the sampled rows replaced by
         theirs (row-wise kernels: the bits the full path gives those rows). The read, flat,
-        is n tokens then the wanted rows' logprobs (then spare slots, not read): filled from
-        the head, then the sampled rows' values [tokens | logprobs] put at ``dst`` in one
-        index_copy_ (no clone of the head, no 2-D index_put)."""
+        is n tokens, the wanted rows' logprobs, then every row's finite flag (then spare
+        slots, not read): filled from the head, then the sampled rows' values [tokens |
+        logprobs] put at ``dst`` in one index_copy_ (no clone of the head, no 2-D
+        index_put)."""
         n, s = greedy.shape[0], tok_s.shape[0]
         flat = torch.empty(size, dtype=torch.float64, device=greedy.device)
         if num_want == n:  # every row wants its logprob: both columns in one copy
-            flat[: 2 * n].view(2, n).copy_(greedy.t())
+            flat[: 2 * n].view(2, n).copy_(greedy[:, :2].t())
         else:
             flat[:n].copy_(greedy[:, 0])
             if num_want:
                 flat[n : n + num_want].copy_(greedy[w_sel, 1])
+        flat[n + num_want : 2 * n + num_want].copy_(greedy[:, 2])
         values = torch.empty(2 if with_lp else 1, s, dtype=torch.float64, device=greedy.device)
         values[0].copy_(tok_s)
         if with_lp:
             self._chosen_logprob(filtered, tok_s, out=values[1])
         flat.index_copy_(0, dst, values.view(-1))
-        return PendingSample.read(flat[: n + num_want], flat[:n], parse)
+        return PendingSample.read(flat[: 2 * n + num_want], flat[:n], parse)
 
     @staticmethod
     def _parser(requests: Sequence[SampleRequest], want: list[int],
                 top_n: int) -> Callable[[list[float]], list[SampleResult]]:
         """Parses the one read: n token ids, the wanted rows' chosen logprobs, then per wanted
-        row ``top_n`` values and (after all of them) their ids."""
+        row ``top_n`` values and (after all of them) their ids, then n finite flags."""
         n = len(requests)
 
         def parse(values: list[float]) -> list[SampleResult]:
+            flags = values[len(values) - n :]
             token_list = [int(v) for v in values[:n]]
             chosen = values[n : n + len(want)]
             top = values[n + len(want) :]
@@ -547,6 +566,7 @@ class Sampler:
                 for c in range(j * top_n, j * top_n + requests[i].params.logprobs):
                     entry.setdefault(int(top[ids_at + c]), top[c])
                 logprobs[i] = entry
-            return [SampleResult(token_list[i], logprobs.get(i)) for i in range(n)]
+            return [SampleResult(token_list[i], logprobs.get(i), flags[i] != 0.0)
+                    for i in range(n)]
 
         return parse

@@ -29,6 +29,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     STOP = "stop"  # an EOS or stop token was generated, or a stop string completed
     ABORT = "abort"  # dropped by LLMEngine.abort_request
+    ERROR = "error"  # the request could not go on (``Sequence.error`` says why)
 
 
 @dataclass(eq=False)
@@ -52,6 +53,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_end: int | None = None  # characters of the output text kept (set by a stop string)
+    error: str | None = None  # why it finished with FinishReason.ERROR
     num_preemptions: int = 0
     page_keys: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
