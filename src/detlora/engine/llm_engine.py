@@ -12,6 +12,7 @@ import itertools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,10 @@ from detlora.engine.sched.sequence import FinishReason
 from detlora.engine.sched.sequence import Sequence as Seq
 from detlora.layers.backend import make_backend
 from detlora.lora.request import LoRARequest
+from detlora.lora.stats import LoRAStats
+
+if TYPE_CHECKING:
+    from detlora.lora.manager import LoRAManager
 
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
 
@@ -249,6 +254,7 @@ class LLMEngine:
                                  "enable_lora=False")
             if not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+            self.lora_manager.check(lora)
         pages = self.block_manager.blocks_for(self._max_len(n, params) - 1)
         if pages > self.block_manager.num_blocks:
             outputs = params.max_tokens or f"up to max_model_len={self.max_model_len}"
@@ -317,6 +323,45 @@ class LLMEngine:
         """Drop every unfinished request (and a step in flight) and free its pages."""
         self._inflight = None
         self.scheduler.abort_all()
+
+    # ---- adapters ----
+
+    def register_lora(self, request: LoRARequest) -> None:
+        """Register an adapter by path without reading it: it is read, checked and copied
+        into a slot when a request first needs it. A server registers its adapters up front
+        and maps names to them with ``registered_loras``. FileNotFoundError for a missing
+        directory; ValueError when the id already names another path or the name another
+        id."""
+        self._lora_manager_or_raise().register(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (vLLM's ``remove_lora``): its slot is freed, and its id may name
+        another directory afterwards. Refused while unfinished requests use it. True if the
+        id was known."""
+        manager = self._lora_manager_or_raise()
+        in_use = {s.lora.id for s in [*self.scheduler.waiting, *self.scheduler.running]
+                  if s.lora is not None}
+        return manager.unregister(lora_id, in_use=in_use)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters (vLLM's ``list_loras``), registered explicitly or
+        by a request's first successful use."""
+        return {r.id for r in self.registered_loras()}
+
+    def registered_loras(self) -> list[LoRARequest]:
+        """The registered adapters' requests, in registration order ([] without LoRA)."""
+        return [] if self.lora_manager is None else self.lora_manager.registry.requests()
+
+    @property
+    def lora_stats(self) -> LoRAStats | None:
+        """Adapter traffic counters (slot and host-cache hits and misses, swaps and their
+        time), None without LoRA."""
+        return None if self.lora_manager is None else self.lora_manager.stats
+
+    def _lora_manager_or_raise(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("this engine was built with enable_lora=False: it has no adapters")
+        return self.lora_manager
 
     # ---- the step ----
 

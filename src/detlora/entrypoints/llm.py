@@ -73,6 +73,18 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def register_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter by path without reading it (``LLMEngine.register_lora``)."""
+        self.engine.register_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; its id may name another directory afterwards."""
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the registered adapters."""
+        return self.engine.list_loras()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV page; later prompts compute their prefixes again."""
         return self.engine.reset_prefix_cache()

@@ -14,6 +14,7 @@ one first seen for its id, so the outputs of one id never silently change.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ import torch
 from detlora.layers.forward_batch import LoRABatch
 from detlora.lora.adapter import LoRAAdapter
 from detlora.lora.peft_loader import load_peft_adapter
+from detlora.lora.registry import LoRARegistry
 from detlora.lora.request import LoRARequest
+from detlora.lora.stats import LoRAStats
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.ops.adapter_groups import group_tokens
 
@@ -47,10 +50,36 @@ class LoRAManager:
         self._target_shapes = model.lora_target_shapes()
         self._resident: OrderedDict[int, _Resident] = OrderedDict()  # least recent first
         self._free = list(range(self.max_loras))
-        self._paths: dict[int, str] = {}  # id -> its path, fixed at first successful load
+        self.registry = LoRARegistry()  # id -> its request (path), before or at first load
         self._hashes: dict[int, str] = {}  # id -> content hash, fixed at first load
         self._step: frozenset[int] = frozenset()  # ids the current step needs: never evicted
-        self.loads = 0  # adapters read from disk so far (observability, tests)
+        self.stats = LoRAStats()
+
+    @property
+    def loads(self) -> int:
+        """Adapters read from disk so far."""
+        return self.stats.disk_loads
+
+    # ---- registration ----
+
+    def register(self, request: LoRARequest) -> None:
+        """Register an adapter by path without reading it (see ``LoRARegistry``)."""
+        self.registry.register(request)
+
+    def check(self, request: LoRARequest) -> None:
+        """ValueError when ``request``'s id is registered for another path."""
+        self.registry.check(request)
+
+    def unregister(self, lora_id: int, *, in_use: Collection[int] = ()) -> bool:
+        """Forget an adapter: its slot is freed and its id may name another path later.
+        ``in_use``: ids that unfinished requests need (refused). True if it was known."""
+        if lora_id in in_use:
+            raise ValueError(f"adapter id {lora_id} is in use by unfinished requests: "
+                             "abort them first")
+        known = self.remove(lora_id)
+        known = self.registry.remove(lora_id) or known
+        self._hashes.pop(lora_id, None)
+        return known
 
     # ---- queries ----
 
@@ -95,12 +124,17 @@ class LoRAManager:
         r = self._resident.get(request.id)
         if r is not None:
             self._resident.move_to_end(request.id)
+            self.stats.slot_hits += 1
             return r.slot
+        start = time.perf_counter()
         adapter = self._load(request)  # checked before anything is evicted for it
         slot = self._free.pop(0) if self._free else self._evict(keep=self._step | {request.id})
         self._write(slot, adapter)
         self._resident[request.id] = _Resident(slot, request, adapter.hash)
-        self._paths[request.id] = request.path
+        self.registry.note_loaded(request)
+        self.stats.slot_misses += 1
+        self.stats.swaps += 1
+        self.stats.swap_seconds += time.perf_counter() - start
         return slot
 
     def activate(self, requests: Sequence[LoRARequest | None]) -> list[int]:
@@ -132,19 +166,22 @@ class LoRAManager:
         """One id names one adapter: the path of its first successful load, or within a step
         the path its first request gave (``step_path``). A failed load pins nothing, so a
         mistyped path can be corrected under the same id."""
-        known = self._paths.get(req.id, step_path or req.path)
+        self.registry.check(req)
+        known = step_path or req.path
         if known != req.path:
             raise ValueError(f"adapter id {req.id} was first used for {known!r}, "
                              f"now for {req.path!r}: one id must name one adapter")
 
     def _load(self, req: LoRARequest) -> LoRAAdapter:
+        start = time.perf_counter()
         adapter = load_peft_adapter(req.path, self._target_shapes, self.max_rank)
+        self.stats.disk_seconds += time.perf_counter() - start
         self._check_fusable(adapter)
         known = self._hashes.setdefault(req.id, adapter.hash)
         if known != adapter.hash:
             raise ValueError(f"adapter {req.name!r} (id {req.id}) at {req.path} changed on "
                              "disk since it was first loaded; give the new version a new id")
-        self.loads += 1
+        self.stats.disk_loads += 1
         return adapter
 
     def _check_fusable(self, adapter: LoRAAdapter) -> None:
@@ -161,6 +198,7 @@ class LoRAManager:
         for i, r in self._resident.items():  # least recently used first
             if i not in keep:
                 del self._resident[i]
+                self.stats.slot_evictions += 1
                 return r.slot
         raise ValueError(f"all {self.max_loras} adapter slots hold adapters of the current "
                          "step; call begin_step with every request of the step first")
