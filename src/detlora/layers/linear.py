@@ -15,7 +15,7 @@ layer is split.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +27,11 @@ from detlora.ops.adapter_groups import AdapterGroups
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) for output slices ``output_sizes`` (then + the LoRA update)."""
+
+    # Debugging only (``detlora.engine.introspect``): when set, called as ``observer(layer, x,
+    # shrink_out, groups)`` after every LoRA shrink of an eager step (a captured CUDA graph
+    # replays without Python). It must not write to what it is given.
+    lora_observer: Callable[..., None] | None = None
 
     def __init__(
         self,
@@ -150,6 +155,8 @@ class LinearBase(nn.Module):
         else:
             y, h = self.lora.shrink_beside(
                 x, lambda: self.backend.linear(x, self.weight, self.bias), lora, self.backend)
+        if self.lora_observer is not None:
+            self.lora_observer(self, x, h, lora)
         return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets)
 
     def _check_slice(self, slice_index: int) -> None:

@@ -1,0 +1,169 @@
+"""Read-only views into an engine, for studies and debugging; nothing here runs in normal use.
+
+* ``observe(engine, on_shrink=..., on_step=...)``: a context in which every LoRA shrink of
+  an eager step reports its fp32 [S, M, R] output (per layer, by PEFT name), and every step
+  reports its ``StepInputs`` and logits after the model ran (when the KV pages it wrote can
+  be read with ``read_kv(engine, step.slot_mapping)``). Shrink outputs need an eager engine
+  (``enforce_eager=True``): a captured CUDA graph replays without Python.
+* ``read_kv(engine, slots)``: copies of K and V at KV-cache slots (page * block_size +
+  offset), [layers, n, kv_heads, head_dim] each.
+* ``continue_from_kv(engine, token_ids, k, v, ...)``: greedy decoding of one sequence whose
+  first positions' K/V are given (say, another engine's), with this engine's model: the
+  controlled experiment that tells whether a KV cache alone changes a token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from detlora.engine.llm_engine import LLMEngine
+from detlora.engine.runner.step_inputs import StepInputs
+from detlora.lora.request import LoRARequest
+from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
+
+# (PEFT prefix of the layer, e.g. "model.layers.3.mlp.gate_up_proj", fp32 [S, M, R] copy)
+ShrinkCallback = Callable[[str, torch.Tensor], None]
+# (the step's inputs, its logits [len(step.logits_indices), V] in the model dtype or None)
+StepCallback = Callable[[StepInputs, "torch.Tensor | None"], None]
+
+
+@contextlib.contextmanager
+def observe(
+    engine: LLMEngine, *, on_shrink: ShrinkCallback | None = None,
+    on_step: StepCallback | None = None,
+) -> Iterator[None]:
+    """Report shrink outputs and steps while the context is open (see the module docstring)."""
+    model = engine.model
+    linears = model.lora_linears()
+    if on_shrink is not None:
+        if engine.runner.uses_cuda_graphs:
+            raise ValueError("observing LoRA shrinks needs an eager engine (enforce_eager=True):"
+                             " a CUDA graph replays its steps without running Python")
+        if not linears:
+            raise ValueError("the engine has no LoRA layers to observe (enable_lora=False)")
+    names = {id(lin): _layer_name(peft) for lin, peft in linears}
+    runner = engine.runner
+    real_execute = runner.execute
+
+    def shrink_observer(layer: Any, x: torch.Tensor, h: Any, groups: Any) -> None:
+        del x
+        out = (reduce_partials_ref(h, groups.token_adapter) if isinstance(h, ShrinkPartials)
+               else h.float().clone())
+        on_shrink(names[id(layer)], out)
+
+    def execute(step: StepInputs, decode_only: bool) -> Any:
+        out = real_execute(step, decode_only)
+        on_step(step, None if out is None else out.logits)
+        return out
+
+    try:
+        if on_shrink is not None:
+            for lin, _ in linears:
+                lin.lora_observer = shrink_observer
+        if on_step is not None:
+            runner.execute = execute  # the instance attribute shadows the method
+        yield
+    finally:
+        for lin, _ in linears:
+            lin.__dict__.pop("lora_observer", None)
+        runner.__dict__.pop("execute", None)
+
+
+def _layer_name(peft_names: Sequence[str]) -> str:
+    """A fused layer's name from its slices': "...mlp.gate_proj", "...mlp.up_proj" ->
+    "...mlp.gate_up_proj"; "...q_proj", "...k_proj", "...v_proj" -> "...qkv_proj"."""
+    if len(peft_names) == 1:
+        return peft_names[0]
+    prefix, _, _ = peft_names[0].rpartition(".")
+    parts = [n.rpartition(".")[2].removesuffix("_proj") for n in peft_names]
+    joined = "".join(parts) if all(len(p) == 1 for p in parts) else "_".join(parts)
+    return f"{prefix}.{joined}_proj"
+
+
+def read_kv(engine: LLMEngine, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of K and V at ``slots`` (page * block_size + offset): [L, n, Hk, D] each, on the
+    engine's device."""
+    kv = engine.runner.kv_cache
+    total = kv.num_blocks * kv.block_size
+    bad = [s for s in slots if not 0 <= s < total]
+    if bad:
+        raise ValueError(f"KV slots {bad[:5]} are outside the cache's [0, {total})")
+    index = torch.tensor(list(slots), dtype=torch.int64, device=kv.k[0].device)
+    k = torch.stack([c.flatten(0, 1).index_select(0, index) for c in kv.k])
+    v = torch.stack([c.flatten(0, 1).index_select(0, index) for c in kv.v])
+    return k, v
+
+
+@dataclass(frozen=True)
+class ContinuedToken:
+    token_id: int
+    logits: torch.Tensor  # fp32 [V] on the CPU: the row the token was chosen from
+
+
+@torch.inference_mode()
+def continue_from_kv(
+    engine: LLMEngine,
+    token_ids: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lora: LoRARequest | None = None,
+    max_tokens: int = 1,
+    stop_token_ids: Sequence[int] = (),
+) -> list[ContinuedToken]:
+    """Greedy tokens after ``token_ids`` when positions ``[0, n)`` hold the given K/V
+    ([L, n, Hk, D], n = len(token_ids) - 1) and the last token is computed by this engine.
+
+    The engine must be idle: the K/V go into its pages 0.., and the prefix cache is reset
+    before and after so that no cached prefix points at them. Ties go to the lowest token
+    id, as in the engine's greedy sampling."""
+    if engine.has_unfinished():
+        raise ValueError("continue_from_kv needs an idle engine (it writes the KV pages)")
+    spec, kv = engine.spec, engine.runner.kv_cache
+    n = len(token_ids) - 1
+    expected = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} (layers, len(token_ids) - 1, "
+                             f"kv heads, head dim), got {tuple(t.shape)}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    length = n + max_tokens
+    if length > engine.max_model_len:
+        raise ValueError(f"{length} positions exceed max_model_len={engine.max_model_len}")
+    bs = kv.block_size
+    pages = list(range(-(-length // bs)))
+    if len(pages) > kv.num_blocks:
+        raise ValueError(f"{length} positions need {len(pages)} KV pages, the cache has "
+                         f"{kv.num_blocks}")
+    engine.reset_prefix_cache()
+    slot = -1
+    if lora is not None:
+        if engine.lora_manager is None:
+            raise ValueError("a lora was given but the engine was built with enable_lora=False")
+        slot = engine.lora_manager.activate([lora])[0]
+    index = torch.arange(n, dtype=torch.int64, device=kv.k[0].device)
+    for layer, (kc, vc) in enumerate(kv):
+        kc.flatten(0, 1).index_copy_(0, index, k[layer].to(kc.device, kc.dtype))
+        vc.flatten(0, 1).index_copy_(0, index, v[layer].to(vc.device, vc.dtype))
+    out: list[ContinuedToken] = []
+    token, stops = int(token_ids[-1]), set(stop_token_ids)
+    try:
+        for p in range(n, length):
+            step = StepInputs(input_ids=[token], positions=[p],
+                              slot_mapping=[pages[p // bs] * bs + p % bs], token_adapter=[slot],
+                              block_tables=[pages], seq_lens=[p + 1], query_start_loc=[0, 1],
+                              logits_indices=[0])
+            row = engine.model(engine.runner.forward_batch(step))[0].cpu()
+            token = int(torch.argmax(row))  # the first maximum: the lowest id on ties
+            out.append(ContinuedToken(token, row))
+            if token in stops:
+                break
+    finally:
+        engine.reset_prefix_cache()
+    return out
