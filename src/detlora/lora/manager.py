@@ -25,7 +25,7 @@ from detlora.layers.forward_batch import LoRABatch
 from detlora.lora.adapter import LoRAAdapter
 from detlora.lora.peft_loader import load_peft_adapter
 from detlora.lora.registry import LoRARegistry
-from detlora.lora.request import LoRARequest
+from detlora.lora.request import LoRARequest, shown_path
 from detlora.lora.stats import LoRAStats
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.ops.adapter_groups import group_tokens
@@ -109,7 +109,7 @@ class LoRAManager:
                 continue
             if not isinstance(req, LoRARequest):
                 raise ValueError(f"expected a LoRARequest or None, got {type(req).__name__}")
-            self._check_path(req, paths.setdefault(req.id, req.path))
+            self._check_path(req, paths.setdefault(req.id, req.real_path))
         ids = set(paths)
         if len(ids) > self.max_loras:
             raise ValueError(f"the step uses {len(ids)} distinct adapters but only "
@@ -163,14 +163,15 @@ class LoRAManager:
     # ---- internals ----
 
     def _check_path(self, req: LoRARequest, step_path: str | None = None) -> None:
-        """One id names one adapter: the path of its first successful load, or within a step
-        the path its first request gave (``step_path``). A failed load pins nothing, so a
-        mistyped path can be corrected under the same id."""
+        """One id names one adapter directory (its real path: every spelling of it is the same
+        adapter): that of its first successful load or registration, or within a step that
+        of its first request (``step_path``). A failed load pins nothing, so a mistyped path
+        can be corrected under the same id."""
         self.registry.check(req)
-        known = step_path or req.path
-        if known != req.path:
+        known = step_path or req.real_path
+        if known != req.real_path:
             raise ValueError(f"adapter id {req.id} was first used for {known!r}, "
-                             f"now for {req.path!r}: one id must name one adapter")
+                             f"now for {shown_path(req)!r}: one id must name one adapter")
 
     def _load(self, req: LoRARequest) -> LoRAAdapter:
         start = time.perf_counter()

@@ -3,7 +3,8 @@
 A server registers its adapters by path up front (``register``) and the engine reads each one
 only when a request first needs it. One id names one directory for as long as it is
 registered; an id that was never registered is registered by the first successful load of a
-request that names it, so a mistyped path can be corrected under the same id. Names are for
+request that names it, so a mistyped path can be corrected under the same id. A directory is
+its real path (``LoRARequest.real_path``): every spelling of it names the same adapter. Names are for
 humans and servers (a model name per adapter): ``register`` refuses a name another id has.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from detlora.lora.request import LoRARequest
+from detlora.lora.request import LoRARequest, shown_path
 
 
 class LoRARegistry:
@@ -38,9 +39,10 @@ class LoRARegistry:
         """ValueError when ``request``'s id is registered for another path."""
         self._check_type(request)
         known = self._by_id.get(request.id)
-        if known is not None and known.path != request.path:
-            raise ValueError(f"adapter id {request.id} was first used for {known.path!r}, "
-                             f"now for {request.path!r}: one id must name one adapter")
+        if known is not None and known.real_path != request.real_path:
+            raise ValueError(f"adapter id {request.id} was first used for "
+                             f"{shown_path(known)!r}, now for {shown_path(request)!r}: one id "
+                             "must name one adapter")
 
     def note_loaded(self, request: LoRARequest) -> None:
         """A request's adapter was read successfully: its id now names its path."""

@@ -7,6 +7,7 @@ Fields ``name``, ``id``, ``path``; vLLM's spellings (``lora_name``, ``lora_int_i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from os import PathLike
 
@@ -15,7 +16,9 @@ from os import PathLike
 class LoRARequest:
     """An adapter, named by a positive integer id that stays tied to one PEFT directory.
 
-    The engine keys its adapter slots by ``id``; ``name`` is for humans.
+    The engine keys its adapter slots by ``id``; ``name`` is for humans. The directory is
+    ``real_path``: ``path`` resolved when the request is made (symlinks, ``..``, a trailing
+    slash, the working directory), so every spelling of one directory names one adapter.
     """
 
     name: str
@@ -52,6 +55,12 @@ class LoRARequest:
         object.__setattr__(self, "name", values["name"])
         object.__setattr__(self, "id", i)
         object.__setattr__(self, "path", p)
+        object.__setattr__(self, "_real_path", os.path.realpath(p))
+
+    @property
+    def real_path(self) -> str:
+        """The adapter directory: ``path`` resolved when this request was made."""
+        return self._real_path
 
     # vLLM's attribute names.
     @property
@@ -65,3 +74,10 @@ class LoRARequest:
     @property
     def lora_path(self) -> str:
         return self.path
+
+
+def shown_path(request: LoRARequest) -> str:
+    """A request's path as given, with the directory it resolves to when that differs."""
+    if request.path == request.real_path:
+        return request.path
+    return f"{request.path} ({request.real_path})"
