@@ -205,3 +205,41 @@ def test_sampler_flags_nonfinite_rows_and_gives_them_a_safe_token():
                 pending = s.launch(logits, reqs, greedy=greedy)
                 assert pending.tokens is not None
                 assert all(0 <= t < vocab for t in pending.tokens.tolist())
+
+
+def test_finite_garbage_bytes_in_an_adapter_error_their_row(llama_dir, llama_adapters,
+                                                            tmp_path):
+    """4 KB of 0x7e in the adapter's data region decode to 8.4e37 (finite: the load check
+    passes); the logits of its requests overflow, and only those requests error."""
+    import struct
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(llama_adapters[0], bad)
+    file = bad / "adapter_model.safetensors"
+    data = bytearray(file.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0] + 2048
+    data[start: start + 4096] = b"\x7e" * 4096
+    file.write_bytes(bytes(data))
+    llm = _llm(llama_dir, "batch_invariant")
+    prompts = random_prompts(3, seed=43)
+    loras = [None, LoRARequest("corrupt", 5, str(bad)),
+             LoRARequest("a1", 2, str(llama_adapters[1]))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4), loras, use_tqdm=False)
+    _assert_error(outs[1], "adapter 'corrupt'")
+    alone = llm.generate([prompts[0], prompts[2]], SamplingParams(max_tokens=4),
+                         [loras[0], loras[2]], use_tqdm=False)
+    assert same_outputs(outs[0], alone[0]) and same_outputs(outs[2], alone[1])
+
+
+@pytest.mark.parametrize("alpha", ["Infinity", "NaN"])
+def test_non_finite_alpha_is_refused_when_loading(llama_dir, llama_adapters, tmp_path, alpha):
+    bad = tmp_path / "alpha"
+    shutil.copytree(llama_adapters[0], bad)
+    text = (bad / "adapter_config.json").read_text()
+    cfg = json.loads(text)
+    cfg.pop("lora_alpha")
+    (bad / "adapter_config.json").write_text(json.dumps(cfg)[:-1] + f', "lora_alpha": {alpha}}}')
+    llm = _llm(llama_dir, "fast")
+    with pytest.raises(ValueError, match="lora_alpha must be a finite positive number"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), LoRARequest("x", 3, str(bad)),
+                     use_tqdm=False)

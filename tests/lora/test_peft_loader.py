@@ -78,8 +78,8 @@ def test_hash_tracks_weights_and_scale(tmp_path):
     (dict(peft_type="IA3"), "peft_type 'IA3'"),
     (dict(target_modules=["q_proj", "lm_head"]), r"\['lm_head'\] are not supported"),
     (dict(target_modules=["q_proj", "c_attn"]), r"\['c_attn'\] are not supported"),
-    (dict(r=0), "r must be a positive number"),
-    (dict(lora_alpha=None), "lora_alpha must be a positive number"),
+    (dict(r=0), "r must be a positive integer"),
+    (dict(lora_alpha=None), "lora_alpha must be a finite positive number"),
     (dict(alora_invocation_tokens=[1, 2]), "activated LoRA"),
     (dict(layer_replication=[[0, 1]]), "layer_replication"),
 ])

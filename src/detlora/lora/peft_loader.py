@@ -3,9 +3,12 @@
 Supported: ``adapter_config.json`` + ``adapter_model.safetensors``; targets among q/k/v/o and
 gate/up/down projections (any subset, any layers: untargeted modules get no update);
 ``lora_alpha / r`` scaling, or ``lora_alpha / sqrt(r)`` with ``use_rslora``; per-module
-ranks and alphas through ``rank_pattern`` / ``alpha_pattern`` (matched as PEFT matches them);
-``layers_to_transform``. Everything else that changes the forward pass is refused with a
-ValueError that names it, rather than silently computing something PEFT would not.
+ranks and alphas through ``rank_pattern`` / ``alpha_pattern``; ``layers_to_transform`` and
+``layers_pattern`` (patterns matched as PEFT matches them, at a bounded cost:
+``detlora.lora.patterns``). Everything else that changes the forward pass is refused with a
+ValueError that names it, rather than silently computing something PEFT would not; so are
+numbers that are not finite or out of range, and weights holding NaN or inf (the format has
+no checksum: corrupt bytes often decode to them).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from safetensors.torch import load_file
 from detlora.json_files import read_json_object
 from detlora.lora.adapter import LoRAAdapter, LoRAModuleWeights
 from detlora.lora.hashing import adapter_hash
+from detlora.lora.patterns import check_pattern, check_pattern_keys, match_modules
+from detlora.models.finite_weights import check_finite
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,7 +55,7 @@ _UNSUPPORTED = {
 }
 # module name in the base model <- key in adapter_model.safetensors
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+MAX_RANK_VALUE = 1 << 16  # no LoRA rank is larger than a model's width
 
 
 def load_peft_adapter(
@@ -87,13 +92,15 @@ def load_peft_adapter(
     alpha_default = cfg["lora_alpha"]
     rank_pattern: Mapping[str, Any] = cfg.get("rank_pattern") or {}
     alpha_pattern: Mapping[str, Any] = cfg.get("alpha_pattern") or {}
+    matches = match_modules(cfg, sorted(pairs), path / CONFIG_FILE)
     modules: dict[str, LoRAModuleWeights] = {}
     for module in sorted(pairs):
         ab = pairs[module]
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise ValueError(f"{where}: {module!r} has no {missing} weight")
-        if not _targeted(module, cfg):
+        match = matches[module]
+        if not match.targeted:
             raise ValueError(f"{where}: {module!r} has weights but adapter_config.json does not "
                              "target it (target_modules / layers_to_transform)")
         a, b = ab["A"], ab["B"]
@@ -104,9 +111,8 @@ def load_peft_adapter(
                 f"{where}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"the base model needs [r, {in_f}] and [{out_f}, r] (adapter for another model?)"
             )
-        key = _pattern_key([*rank_pattern, *alpha_pattern], module)
-        r_cfg = rank_pattern.get(key, r_default)
-        alpha = alpha_pattern.get(key, alpha_default)
+        r_cfg = rank_pattern.get(match.rank_key, r_default)
+        alpha = alpha_pattern.get(match.alpha_key, alpha_default)
         if rank != r_cfg:
             raise ValueError(f"{where}: {module!r} has rank {rank} but adapter_config.json "
                              f"says r={r_cfg}")
@@ -134,20 +140,24 @@ def _check_config(cfg: Mapping[str, Any], path: Path) -> None:
     bias = cfg.get("bias", "none")
     if bias != "none":
         raise ValueError(f"{src}: bias={bias!r} is not supported (only 'none')")
-    for field in ("r", "lora_alpha"):
-        v = cfg.get(field)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{src}: {field} must be a positive number, got {v!r}")
-    if not isinstance(cfg["r"], int):
-        raise ValueError(f"{src}: r must be an integer, got {cfg['r']!r}")
-    for field in ("rank_pattern", "alpha_pattern"):
+    if not _is_rank(cfg.get("r")):
+        raise ValueError(f"{src}: r must be a positive integer (at most {MAX_RANK_VALUE}), "
+                         f"got {_show(cfg.get('r'))}")
+    if not _is_finite_positive(cfg.get("lora_alpha")):
+        raise ValueError(f"{src}: lora_alpha must be a finite positive number, "
+                         f"got {_show(cfg.get('lora_alpha'))}")
+    rslora = cfg.get("use_rslora")
+    if rslora is not None and not isinstance(rslora, bool):
+        raise ValueError(f"{src}: use_rslora must be true or false, got {rslora!r}")
+    for field, ok, what in (
+        ("rank_pattern", _is_rank, f"a positive integer (at most {MAX_RANK_VALUE})"),
+        ("alpha_pattern", _is_finite_positive, "a finite positive number"),
+    ):
         pattern = cfg.get(field) or {}
-        if not isinstance(pattern, dict) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
-            for v in pattern.values()
-        ):
-            raise ValueError(f"{src}: {field} must map module patterns to positive numbers, "
-                             f"got {pattern!r}")
+        check_pattern_keys(field, pattern, src)
+        for key, v in pattern.items():
+            if not ok(v):
+                raise ValueError(f"{src}: {field}[{key!r}] must be {what}, got {_show(v)}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         unknown = [t for t in targets
@@ -155,45 +165,62 @@ def _check_config(cfg: Mapping[str, Any], path: Path) -> None:
         if unknown:
             raise ValueError(f"{src}: target_modules {unknown} are not supported "
                              f"(supported: {', '.join(SUPPORTED_TARGETS)})")
-    elif not isinstance(targets, str):
+    elif isinstance(targets, str):
+        check_pattern("target_modules", targets, src)
+    else:
         raise ValueError(f"{src}: target_modules must be a list or a string, got {targets!r}")
     layers = cfg.get("layers_to_transform")
-    if layers is not None and not isinstance(layers, (int, list)):
-        raise ValueError(f"{src}: layers_to_transform must be an int or a list, got {layers!r}")
+    if layers is not None and not (_is_index(layers) or (
+            isinstance(layers, list) and all(_is_index(i) for i in layers))):
+        raise ValueError(f"{src}: layers_to_transform must be a layer index or a list of "
+                         f"them (integers >= 0), got {_show(layers)}")
+    pattern = cfg.get("layers_pattern")
+    if pattern:
+        for p in [pattern] if isinstance(pattern, str) else pattern if isinstance(
+                pattern, list) else [pattern]:
+            check_pattern("layers_pattern", p, src)
+    # PEFT's LoraConfig refuses these combinations.
+    if isinstance(targets, str) and (layers is not None or pattern is not None):
+        raise ValueError(f"{src}: layers_to_transform and layers_pattern cannot be used when "
+                         "target_modules is a string (a regular expression)")
+    if pattern and layers is None:
+        raise ValueError(f"{src}: layers_pattern needs layers_to_transform")
+
+
+def _is_rank(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_RANK_VALUE
+
+
+def _is_index(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_finite_positive(v: object) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v)) and v > 0
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _show(v: object, limit: int = 40) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     file = path / WEIGHTS_FILE
     if file.is_file():
         try:
-            return load_file(str(file), device="cpu")
+            tensors = load_file(str(file), device="cpu")
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+        for key, t in tensors.items():
+            check_finite(t, f"{file}: tensor {key!r}")
+        return tensors
     if (path / "adapter_model.bin").is_file():
         raise ValueError(f"{path} holds adapter_model.bin (a pickle): detlora loads "
                          f"{WEIGHTS_FILE} only; re-save the adapter with "
                          "save_pretrained(..., safe_serialization=True)")
     raise FileNotFoundError(f"{file} is missing")
-
-
-def _targeted(module: str, cfg: Mapping[str, Any]) -> bool:
-    """Whether PEFT would have put LoRA on ``module`` under this config."""
-    targets = cfg["target_modules"]
-    if isinstance(targets, str):
-        ok = targets == "all-linear" or re.fullmatch(targets, module) is not None
-    else:
-        ok = any(module == t or module.endswith("." + t) for t in targets)
-    layers = cfg.get("layers_to_transform")
-    if ok and layers is not None:
-        wanted = {layers} if isinstance(layers, int) else set(layers)
-        m = _LAYER.search(module)
-        ok = m is not None and int(m.group(1)) in wanted
-    return ok
-
-
-def _pattern_key(keys: list[str], module: str) -> str | None:
-    """PEFT's rule: the first pattern key that matches the end of the module name."""
-    for key in keys:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return None

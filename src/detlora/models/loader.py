@@ -3,7 +3,8 @@
 Every checkpoint tensor is matched by name to the fused layer slice it fills (q/k/v into
 qkv_proj, gate/up into gate_up_proj) and checked for shape; every expected weight must be
 present exactly once and nothing unexpected may remain, so a checkpoint that does not match
-its config fails loudly instead of running with uninitialised memory.
+its config fails loudly instead of running with uninitialised memory. Every weight must be
+finite in the dtype it is loaded in (``finite_weights``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.models.causal_lm import DecoderForCausalLM
+from detlora.models.finite_weights import check_finite
 from detlora.models.llama import LlamaForCausalLM
 from detlora.models.qwen3 import Qwen3ForCausalLM
 from detlora.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
@@ -85,9 +87,11 @@ def load_model(
                 if tuple(t.shape) != shape:
                     raise ValueError(f"weight {name!r} in {file.name} has shape "
                                      f"{tuple(t.shape)}, expected {shape} from config.json")
-                t = t.to(dtype)
-                digests[name] = tensor_digest(t)
-                load(t.to(device))
+                loaded = t.to(dtype)
+                digests[name] = tensor_digest(loaded)
+                on_device = loaded.to(device)
+                _check_weight(on_device, t, f"{path}: weight {name!r} in {file.name}")
+                load(on_device)
     if unexpected:
         raise ValueError(f"{path}: {len(unexpected)} unexpected weight(s) in the checkpoint, "
                          f"e.g. {sorted(unexpected)[:5]} (does config.json match the weights?)")
@@ -101,6 +105,18 @@ def load_model(
     meta = {"spec": spec.canonical(), "dtype": str(dtype).replace("torch.", "")}
     model.set_weights_hash(combine_digests(digests, meta))
     return model.eval()
+
+
+def _check_weight(loaded: torch.Tensor, stored: torch.Tensor, what: str) -> None:
+    """``loaded`` (``stored`` in the model's dtype, on its device: checked where that is
+    fastest) must be finite; a stored value the dtype cannot hold is named as such."""
+    if not loaded.is_floating_point() or bool(torch.isfinite(loaded).all()):
+        return
+    if loaded.dtype != stored.dtype and bool(torch.isfinite(stored).all()):
+        raise ValueError(f"{what} overflows {str(loaded.dtype).replace('torch.', '')}: "
+                         f"its largest magnitude {stored.abs().max().item():g} does not fit "
+                         "(load the checkpoint in its own dtype)")
+    check_finite(loaded, what)
 
 
 @contextlib.contextmanager

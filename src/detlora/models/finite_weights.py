@@ -1,0 +1,22 @@
+"""Weights must be finite: a NaN or inf in a checkpoint or adapter is refused when loaded.
+
+safetensors has no checksum, so corrupt bytes load silently; a NaN among them would turn
+every output of the model (or of an adapter's requests) into garbage. Finite garbage cannot
+be told from weights; the engine's non-finite logits guard catches what it produces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """Raise a ValueError naming ``what`` if the float tensor ``t`` holds a NaN or an inf."""
+    if not t.is_floating_point():
+        return
+    bad = int(t.numel() - torch.isfinite(t).sum())
+    if bad:
+        s = "" if bad == 1 else "s"
+        raise ValueError(f"{what} holds {bad} non-finite value{s} (NaN or inf) among "
+                         f"{t.numel()}: the file is corrupt, or the weights diverged in "
+                         "training")
