@@ -4,8 +4,9 @@ A server registers its adapters by path up front (``register``) and the engine r
 only when a request first needs it. One id names one directory for as long as it is
 registered; an id that was never registered is registered by the first successful load of a
 request that names it, so a mistyped path can be corrected under the same id. A directory is
-its real path (``LoRARequest.real_path``): every spelling of it names the same adapter. Names are for
-humans and servers (a model name per adapter): ``register`` refuses a name another id has.
+its real path (``LoRARequest.real_path``): every spelling of it names the same adapter.
+Names are for humans and servers (a model name per adapter): ``register`` refuses a name
+another id has.
 """
 
 from __future__ import annotations
