@@ -70,6 +70,19 @@ DEFAULT_LORA_REDUCTION: dict[Determinism, LoRAReduction] = {
 # ----------------------------------------------------------------------------- engine
 
 
+class RequestOutputKind(int, Enum):
+    """What ``LLMEngine.step`` reports for a request (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: every step that reads a token for it, the whole output so far;
+    ``DELTA``: every such step, only what is new since the last report; ``FINAL_ONLY``: one
+    report, when it finishes (``LLM.generate`` asks for this).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen (vLLM's names and defaults, minus what we lack).
@@ -104,6 +117,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # clamped to +-100
     allowed_token_ids: tuple[int, ...] | None = None
+    # How LLMEngine.step reports the request; LLM.generate takes FINAL_ONLY whatever is set.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True  # False: outputs carry token ids, no text (stop strings still work)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -163,6 +179,13 @@ class SamplingParams:
             for t in ids:
                 _check_int("allowed_token_ids entries", t, low=0)
             object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))
+        try:
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}") from None
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,11 @@
-"""The engine: requests in, one scheduled step at a time, finished outputs out.
+"""The engine: requests in, one scheduled step at a time, outputs out.
 
 ``LLMEngine`` wires the pieces together (model + op backend, block manager, scheduler, model
 runner, LoRA manager, sampler, fingerprint). It keeps all state on the instance and does one
-step per ``step()`` call, so ``LLM.generate`` and, later, a server loop drive it the same way.
+step per ``step()`` call, so ``LLM.generate`` and the server's engine loop drive it the same
+way. ``step()`` reports every request that read a token in the step, as its
+``SamplingParams.output_kind`` asks (the whole output so far, what is new, or only the final
+output); ``step_sequences()`` is the same step returning the sequences themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from detlora.config import Determinism, EngineConfig, SamplingParams
+from detlora.config import Determinism, EngineConfig, RequestOutputKind, SamplingParams
+from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.runner import kv_sizing
@@ -366,7 +370,20 @@ class LLMEngine:
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; return the requests that finished.
+        """One step (``step_sequences``); an output for each request that read a token in it,
+        as its ``output_kind`` asks: CUMULATIVE and DELTA every time (``finished=False``
+        until the last), FINAL_ONLY once it finishes."""
+        outputs = []
+        for seq in self.step_sequences():
+            kind = seq.params.output_kind
+            if kind is RequestOutputKind.FINAL_ONLY and not seq.is_finished:
+                continue
+            outputs.append(self.output_of(seq, delta=kind is RequestOutputKind.DELTA))
+        return outputs
+
+    def step_sequences(self) -> list[Seq]:
+        """Schedule, run the model, sample; return the sequences that read a token (finished
+        ones included, in row order).
 
         With decode graphs (``run_ahead``) the engine runs one step ahead: while a step is in
         flight, the next one (every running sequence decodes again) is scheduled and launched with
@@ -388,11 +405,11 @@ class LLMEngine:
                 return []  # a prefill chunk: nothing sampled yet
         current = self._inflight
         self._inflight = self._launch_ahead(current)
-        finished = self._collect(current)
+        touched = self._collect(current)
         if self._inflight is not None and not self.scheduler.running:
             self._collect(self._inflight)  # every row of it belongs to a finished sequence
             self._inflight = None
-        return finished
+        return touched
 
     def _launch(self, sched: SchedulerOutput,
                 fed_rows: list[int] | None = None) -> _InFlight | None:
@@ -464,10 +481,10 @@ class LLMEngine:
         self.num_steps_ahead += 1
         return self._launch(sched, [rows[id(s.seq)] for s in sched.scheduled])
 
-    def _collect(self, inflight: _InFlight) -> list[RequestOutput]:
-        """Read a launched step's tokens into its sequences; the finished requests."""
+    def _collect(self, inflight: _InFlight) -> list[Seq]:
+        """Read a launched step's tokens into its sequences; the sequences that got one."""
         results = inflight.pending.result()
-        finished: list[RequestOutput] = []
+        touched: list[Seq] = []
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
             if seq.is_finished:
                 continue  # finished by the step before: this row ran ahead for nothing
@@ -475,7 +492,7 @@ class LLMEngine:
                 del seq.token_ids[pos:]  # its unread token (and one launched ahead)
                 seq.error = self._nonfinite_message(seq, pos, inflight.step, result)
                 self.scheduler.finish(seq, FinishReason.ERROR)
-                finished.append(self.output_of(seq))
+                touched.append(seq)
                 continue
             seq.token_ids[pos] = result.token_id
             if result.logprobs is not None:
@@ -485,8 +502,8 @@ class LLMEngine:
             if reason is not None:
                 del seq.token_ids[pos + 1:]  # the unread token of a step launched ahead
                 self.scheduler.finish(seq, reason)
-                finished.append(self.output_of(seq))
-        return finished
+            touched.append(seq)
+        return touched
 
     def _nonfinite_message(self, seq: Seq, pos: int, step: int, result: SampleResult) -> str:
         """Why a row's sampling failed: whose logits, and where."""
@@ -559,24 +576,30 @@ class LLMEngine:
             adapter = self.lora_manager.adapter_hash(lora.lora_int_id)
         return fingerprint(self._fingerprint_parts, adapter)
 
-    def output_of(self, seq: Seq) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        text = self.detokenize(out_ids) if self.detokenize is not None else ""
-        if seq.text_end is not None:
-            text = text[: seq.text_end]
-        logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+    def output_of(self, seq: Seq, *, delta: bool = False) -> RequestOutput:
+        """The request's output so far (its read tokens), or with ``delta`` only the tokens,
+        logprobs and text not reported by an earlier delta. Text needs a tokenizer and
+        ``params.detokenize``; an unfinished request's text grows by whole characters."""
+        params = seq.params
+        num_read = seq.num_output_tokens if seq.is_finished else seq.num_read_output_tokens
+        out_ids = seq.token_ids[seq.num_prompt_tokens: seq.num_prompt_tokens + num_read]
+        start = seq.num_reported if delta else 0
+        text = self._text_of(seq, out_ids, delta)
+        lps = seq.logprobs[start:num_read] if params.logprobs is not None else None
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(out_ids),
-            logprobs=logprobs,
+            token_ids=list(out_ids[start:]),
+            logprobs=lps,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             # Each entry lists the chosen token first; summed in token order.
-            cumulative_logprob=None if logprobs is None
-            else sum(next(iter(d.values())) for d in logprobs),
+            cumulative_logprob=None if params.logprobs is None
+            else sum(next(iter(d.values())) for d in seq.logprobs[:num_read]),
             error=seq.error,
         )
+        first = not delta or seq.num_reported == 0
+        seq.num_reported = num_read
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -584,7 +607,24 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             fingerprint=self.fingerprint_of(seq.lora),
-            prompt_logprobs=None if seq.params.prompt_logprobs is None
+            prompt_logprobs=None if params.prompt_logprobs is None or not first
             else [None, *seq.prompt_logprobs],
             num_cached_tokens=seq.num_cached_tokens or 0,
         )
+
+    def _text_of(self, seq: Seq, out_ids: list[int], delta: bool) -> str:
+        """The output text (or, with ``delta``, its new part). A finished request gets the
+        exact ``decode(ids)[:text_end]``; a running one the incremental detokenizer's text."""
+        if self.detokenize is None or not seq.params.detokenize:
+            return ""
+        if seq.is_finished and seq.detokenizer is None:  # a one-off report: decode once
+            text = self.detokenize(out_ids)
+            return text if seq.text_end is None else text[: seq.text_end]
+        if seq.detokenizer is None:
+            hold = max((len(s) for s in seq.params.stop), default=1) - 1
+            seq.detokenizer = IncrementalDetokenizer(self.detokenize, hold_back=hold)
+        detok = seq.detokenizer
+        assert isinstance(detok, IncrementalDetokenizer)
+        new = (detok.finish(out_ids, seq.text_end) if seq.is_finished
+               else detok.update(out_ids))
+        return new if delta else detok.text

@@ -12,7 +12,13 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from detlora.config import Determinism, EngineConfig, LoRAReduction, SamplingParams
+from detlora.config import (
+    Determinism,
+    EngineConfig,
+    LoRAReduction,
+    RequestOutputKind,
+    SamplingParams,
+)
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
@@ -118,12 +124,16 @@ class LLM:
         encoded = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(parsed)]
         for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
             self.engine.check_request(ids, sp, lr)
-        # Completion 0 scores the prompt (prompt_logprobs) for all n of them.
+        # Completion 0 scores the prompt (prompt_logprobs) for all n of them; each request
+        # is reported once, when it finishes.
+        final = [sp if sp.output_kind is RequestOutputKind.FINAL_ONLY
+                 else dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for sp in params]
         groups = [
             [self.engine.add_request(
                 ids, sp if i == 0 else dataclasses.replace(sp, prompt_logprobs=None), lora=lr,
                 prompt=text, sample_index=i) for i in range(sp.n)]
-            for (ids, text), sp, lr in zip(encoded, params, loras, strict=True)
+            for (ids, text), sp, lr in zip(encoded, final, loras, strict=True)
         ]
         outs = self._run([s for g in groups for s in g], use_tqdm)
         merged, at = [], 0
@@ -165,8 +175,9 @@ class LLM:
         try:
             while engine.has_unfinished():
                 for out in engine.step():
-                    by_id[out.request_id] = out
-                    bar.update(1, tokens=len(out.outputs[0].token_ids))
+                    if out.finished:
+                        by_id[out.request_id] = out
+                        bar.update(1, tokens=len(out.outputs[0].token_ids))
         except BaseException:
             engine.abort_all()  # leave no half-run request behind for the next call
             raise

@@ -59,6 +59,8 @@ class Sequence:
     num_registered_pages: int = 0
     num_computing_end: int = 0  # pages [num_registered_pages, this) are marked as computing
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    num_reported: int = 0  # output tokens already reported (RequestOutputKind.DELTA)
+    detokenizer: object | None = None  # its IncrementalDetokenizer, for per-step text
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -78,6 +80,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_read_output_tokens(self) -> int:
+        """Output tokens read to the host (a step launched ahead leaves -1 at the end)."""
+        n = len(self.token_ids)
+        while n > self.num_prompt_tokens and self.token_ids[n - 1] < 0:
+            n -= 1
+        return n - self.num_prompt_tokens
 
     @property
     def num_pending(self) -> int:
