@@ -84,6 +84,59 @@ class RequestOutputKind(int, Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (``json``: a dict or its JSON text), any JSON object (``json_object=True``), a
+    regular expression, a ``choice`` of strings, or an EBNF ``grammar``. A schema is kept as
+    canonical JSON text, so equal schemas compare (and hash) equal."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        if self.json is not None:
+            value = self.json
+            if isinstance(value, str):
+                try:
+                    value = _json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs json must be a JSON schema object")
+            object.__setattr__(self, "json", _json.dumps(value, sort_keys=True))
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice \
+                    or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("structured_outputs choice must be a non-empty list of "
+                                 "non-empty strings")
+            object.__setattr__(self, "choice", tuple(choice))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {given or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen (vLLM's names and defaults, minus what we lack).
 
@@ -120,6 +173,7 @@ class SamplingParams:
     # How LLMEngine.step reports the request; LLM.generate takes FINAL_ONLY whatever is set.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True  # False: outputs carry token ids, no text (stop strings still work)
+    structured_outputs: StructuredOutputsParams | None = None  # engine/sample/grammar.py
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -186,6 +240,10 @@ class SamplingParams:
                              f"{self.output_kind!r}") from None
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.runner import kv_sizing
 from detlora.engine.runner.model_runner import ModelRunner
 from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
+from detlora.engine.sample.grammar import GrammarBackend, GrammarMatcher
 from detlora.engine.sample.logit_adjust import has_adjustments, row_adjust
 from detlora.engine.sample.sampler import (
     PendingSample,
@@ -40,6 +41,7 @@ from detlora.engine.sched.block_manager import BlockManager
 from detlora.engine.sched.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sched.sequence import FinishReason
 from detlora.engine.sched.sequence import Sequence as Seq
+from detlora.engine.tokenizer import Tokenizer
 from detlora.layers.backend import make_backend
 from detlora.lora.request import LoRARequest
 from detlora.lora.stats import LoRAStats
@@ -107,13 +109,18 @@ class LLMEngine:
         *,
         detokenize: Callable[[list[int]], str] | None = None,
         extra_eos_token_ids: Sequence[int] = (),
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """``tokenizer``: the model's, for structured outputs (``detokenize`` defaults to its
+        ``decode``)."""
         from detlora.layers.lora_slots import LoRAConfig
         from detlora.models.loader import load_model
         from detlora.models.spec import ModelSpec
 
         self.config = config
-        self.detokenize = detokenize
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize or (tokenizer.decode if tokenizer is not None else None)
+        self._grammars: GrammarBackend | None = None
         spec = ModelSpec.from_dir(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
@@ -221,8 +228,19 @@ class LLMEngine:
 
     # ---- requests ----
 
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this "
+                                 "engine has none")
+            self._grammars = GrammarBackend(self.tokenizer.hf, self.spec.vocab_size,
+                                            self.eos_token_ids)
+        return self._grammars
+
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      lora: LoRARequest | None) -> None:
+                      lora: LoRARequest | None,
+                      label_token_ids: Sequence[int] | None = None) -> None:
         """Raise ValueError for a request the engine could never run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -242,6 +260,13 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): "
                                  f"{bad[:5]}")
+        if label_token_ids is not None and (not label_token_ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                for t in label_token_ids)):
+            raise ValueError(f"label_token_ids must be token ids in [0, {vocab}), "
+                             f"got {list(label_token_ids)[:5]}")
+        if params.structured_outputs is not None:
+            self.grammar_backend().compile(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             want = getattr(params, name)
             if want is not None and want > vocab:
@@ -283,10 +308,12 @@ class LLMEngine:
         prompt: str | None = None,
         request_id: str | None = None,
         sample_index: int = 0,
+        label_token_ids: Sequence[int] | None = None,
     ) -> Seq:
         """One completion of a prompt: ``sample_index`` i < ``params.n`` picks its seed (see
-        ``SamplingParams``)."""
-        self.check_request(prompt_token_ids, params, lora)
+        ``SamplingParams``). ``label_token_ids``: report the raw logprobs of the first output
+        position at these ids (``RequestOutput.label_logprobs``; decisions read them)."""
+        self.check_request(prompt_token_ids, params, lora, label_token_ids)
         index = next(self._counter)
         if params.seed is None:
             seed = derive_seed(self.config.seed, index)
@@ -302,7 +329,10 @@ class LLMEngine:
             sample_seed=seed,
             max_len=self._max_len(len(ids), params),
             lora=lora,
+            label_token_ids=None if label_token_ids is None else tuple(label_token_ids),
         )
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
         self.scheduler.add(seq)
         return seq
 
@@ -437,6 +467,7 @@ class LLMEngine:
         # A step launched ahead: sequence i's last token is row fed_rows[i] of ``fed_tokens``.
         fed_of = {} if fed_rows is None else {
             id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)}
+        self._read_labels(sampling, out.logits)
         requests = [self._sample_request(s, fed_of.get(id(s))) for s in sampling]
         pending = self.sampler.launch(out.logits, requests, greedy=out.greedy,
                                       fed=self.runner.fed_tokens if fed_of else None)
@@ -446,6 +477,18 @@ class LLMEngine:
         for s in sampling:  # the token's place, filled when the step is read
             s.token_ids.append(UNREAD)
         return _InFlight(sampling, positions, pending, self.num_steps)
+
+    def _read_labels(self, sampling: list[Seq], logits: torch.Tensor) -> None:
+        """The raw logprobs at their label ids of the rows sampling a first output token."""
+        rows = [i for i, s in enumerate(sampling) if s.label_token_ids is not None
+                and s.label_logprobs is None and s.num_output_tokens == 0]
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device)
+        values = self.sampler.token_logprobs(logits.index_select(0, index),
+                                             [sampling[i].label_token_ids for i in rows])
+        for i, lp in zip(rows, values, strict=True):
+            sampling[i].label_logprobs = lp
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when it is sure to be a decode
@@ -460,6 +503,8 @@ class LLMEngine:
             or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs)
             or not running
             or len(running) > self.config.max_num_batched_tokens
+            # A grammar's next mask needs the token the step in flight samples.
+            or any(seq.grammar is not None for seq in running)
         ):
             return None
         rows = {id(seq): r for r, seq in enumerate(current.seqs)}
@@ -499,6 +544,10 @@ class LLMEngine:
                 seq.logprobs.append(result.logprobs)
             self.block_manager.register(seq)  # a page that waited for this token
             reason = self._finish_reason(seq, result.token_id, pos + 1)
+            if reason is None and isinstance(seq.grammar, GrammarMatcher):
+                seq.grammar.accept(result.token_id)
+                if seq.grammar.is_terminated:  # complete, and only a stop token fits now
+                    reason = FinishReason.STOP
             if reason is not None:
                 del seq.token_ids[pos + 1:]  # the unread token of a step launched ahead
                 self.scheduler.finish(seq, reason)
@@ -545,7 +594,12 @@ class LLMEngine:
         # Most rows have no adjustment: skip copying their output tokens every step.
         adjust = (row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
                   if has_adjustments(seq.params) else None)
-        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust)
+        mask = None
+        if isinstance(seq.grammar, GrammarMatcher):
+            mask = torch.empty(seq.grammar.mask_words, dtype=torch.int32)
+            seq.grammar.fill_mask(mask)
+        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust,
+                             token_mask=mask)
 
     def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:
         """Why ``seq`` ends with ``token`` as its ``length``-th token, if it does (vLLM's
@@ -610,6 +664,7 @@ class LLMEngine:
             prompt_logprobs=None if params.prompt_logprobs is None or not first
             else [None, *seq.prompt_logprobs],
             num_cached_tokens=seq.num_cached_tokens or 0,
+            label_logprobs=seq.label_logprobs,
         )
 
     def _text_of(self, seq: Seq, out_ids: list[int], delta: bool) -> str:

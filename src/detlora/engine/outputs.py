@@ -31,3 +31,6 @@ class RequestOutput:
     # {token_id: logprob} per prompt token (its own first, then the top ones), as in vLLM.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # With add_request(label_token_ids=...): {token id: logprob} of the first output position,
+    # log_softmax of its raw logits (no temperature, filter or adjustment), fp32 values.
+    label_logprobs: dict[int, float] | None = None

@@ -19,6 +19,7 @@ from detlora.config import (
     RequestOutputKind,
     SamplingParams,
 )
+from detlora.decisions import answer, parse_questions, plan_reads
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
@@ -26,6 +27,17 @@ from detlora.engine.tokenizer import Tokenizer, has_tokenizer
 from detlora.entrypoints.progress import ProgressBar
 from detlora.lora.request import LoRARequest
 from detlora.models.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """``LLM.decide``'s result: one answer per question id (the wire shape of
+    ``/v1/decisions``), token counts, and the fingerprint of the engine and adapter."""
+
+    answers: dict[str, dict]
+    prompt_tokens: int
+    cached_tokens: int
+    fingerprint: str
 
 
 class LLM:
@@ -72,8 +84,8 @@ class LLM:
             self.tokenizer = Tokenizer(tok_dir)
         self.engine = LLMEngine(
             self.config,
-            detokenize=self.tokenizer.decode if self.tokenizer else None,
             extra_eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else (),
+            tokenizer=self.tokenizer,
         )
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -165,6 +177,35 @@ class LLM:
             raise ValueError("chat takes a list of {'role', 'content'} messages, or a list of "
                              "such conversations")
         return self.generate(list(messages), sampling_params, lora_request, use_tqdm)
+
+    def decide(
+        self,
+        state: object,
+        questions: dict,
+        *,
+        instructions: object = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Decision:
+        """Answer typed questions about ``state`` with probabilities (``detlora.decisions``):
+        ``questions`` maps ids to {"type": "noul" | "choice" | "score", "criteria": ...,
+        "instructions"?: ...}. One read per question, all questions in one batch (they share
+        the state's prefix pages); equal fingerprints give equal probabilities."""
+        reads = plan_reads(self.tokenizer, state, parse_questions(questions), instructions)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        for r in reads:
+            self.engine.check_request(r.prompt_token_ids, sp, lora_request, r.label_token_ids)
+        seqs = [self.engine.add_request(r.prompt_token_ids, sp, lora=lora_request,
+                                        label_token_ids=r.label_token_ids) for r in reads]
+        outs = self._run(seqs, use_tqdm=False)
+        answers = {}
+        for r, out in zip(reads, outs, strict=True):
+            assert out.label_logprobs is not None
+            answers[r.question.id] = answer(r, out.label_logprobs)
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in reads)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return Decision(answers=answers, prompt_tokens=prompt_tokens, cached_tokens=cached,
+                        fingerprint=outs[0].fingerprint)
 
     def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
         import sys

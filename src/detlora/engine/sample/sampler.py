@@ -14,9 +14,11 @@ parameters, seed and position, never on which other rows share the step:
   dtype; ties: lower token id first); top-p keeps the shortest prefix of that order whose
   probability reaches ``top_p``, with the running sum taken in 2^-40 fixed point: integer
   sums do not depend on the scan order (``detlora.engine.sample.token_filter``);
-* before all of the above: a row's banned tokens (``min_tokens``), then its
-  ``allowed_token_ids``, ``logit_bias``, penalties and ``min_p`` adjust its fp32 logits
-  (``detlora.engine.sample.logit_adjust``); a call with such a row ranks every row in fp32;
+* before all of the above: a row's grammar mask (``structured_outputs``: every token the
+  grammar does not allow goes to -inf, ``detlora.engine.sample.grammar``), its banned tokens
+  (``min_tokens``), then its ``allowed_token_ids``, ``logit_bias``, penalties and ``min_p``
+  adjust its fp32 logits (``detlora.engine.sample.logit_adjust``); a call with such a row
+  ranks every row in fp32;
 * logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
   The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
   row only when a request wants top logprobs;
@@ -72,6 +74,7 @@ class SampleRequest:
     position: int  # index the sampled token will take in its sequence
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
     adjust: RowAdjust | None = None  # allowed tokens, logit bias, penalties, min_p
+    token_mask: torch.Tensor | None = None  # a grammar's allowed tokens: int32 bitmask (CPU)
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,18 @@ class Sampler:
         head[:, 2].copy_(finite)
         return head
 
+    def token_logprobs(self, logits: torch.Tensor,
+                       token_ids: Sequence[Sequence[int]]) -> list[dict[int, float]]:
+        """Per row of ``logits``: {t: logprob} for the ids ``token_ids[i]``, from
+        ``log_softmax`` of the raw logits in fp32 (no temperature, filter or adjustment):
+        row-wise, so batch-invariant with the backend's log_softmax; one read."""
+        width = max(len(ids) for ids in token_ids)
+        index = torch.tensor([list(ids) + [ids[0]] * (width - len(ids)) for ids in token_ids],
+                             dtype=torch.int64).to(logits.device)
+        values = self._log_softmax(logits.float()).float().gather(1, index).tolist()
+        return [{int(t): v for t, v in zip(ids, row, strict=False)}
+                for ids, row in zip(token_ids, values, strict=True)]
+
     def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int],
                         top_n: Sequence[int]) -> list[dict[int, float]]:
         """Per row of ``logits``: {targets[i]: its logprob, then the row's ``top_n[i]`` best
@@ -365,7 +380,7 @@ class Sampler:
             raise ValueError(f"greedy must be [{n}, 3], got {tuple(greedy.shape)}")
         if greedy is not None and all(
             r.params.greedy and not r.banned_token_ids and not r.params.logprobs
-            and r.adjust is None for r in requests
+            and r.adjust is None and r.token_mask is None for r in requests
         ):
             def parse_greedy(values: list[float]) -> list[SampleResult]:
                 return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp},
@@ -384,6 +399,7 @@ class Sampler:
         banned_rows: list[int] = []
         banned_cols: list[int] = []
         adjusted: list[tuple[int, RowAdjust]] = []
+        masked: list[int] = []
         for i, r in enumerate(requests):
             (greedy_rows if r.params.greedy else sampled).append(i)
             if r.params.logprobs is not None:
@@ -393,12 +409,14 @@ class Sampler:
                 banned_cols += r.banned_token_ids
             if r.adjust is not None:
                 adjusted.append((i, r.adjust))
+            if r.token_mask is not None:
+                masked.append(i)
         top_n = max((requests[i].params.logprobs for i in want), default=0)
         # The greedy head answers the greedy rows (token and chosen logprob) unless one bans
         # tokens or a row wants top logprobs: only the sampled rows are then computed here.
         use_head = (greedy is not None and bool(greedy_rows) and bool(sampled) and top_n == 0
                     and not any(requests[i].banned_token_ids or requests[i].adjust is not None
-                                for i in greedy_rows))
+                                or requests[i].token_mask is not None for i in greedy_rows))
         up = _Upload()
         g_rows = up.rows(greedy_rows, n) if greedy_rows and sampled else slice(None)
         s_rows = up.rows(sampled, n) if greedy_rows and sampled else slice(None)
@@ -406,6 +424,7 @@ class Sampler:
         if banned_rows:
             banned_sec = up.add(banned_rows), up.add(banned_cols)
         adjust_secs = _pack_adjustments(up, adjusted) if adjusted else None
+        masked_sec = up.add(masked) if masked else None
         if sampled:
             params = [requests[i].params for i in sampled]
             mix = self._ops._mix32
@@ -443,10 +462,15 @@ class Sampler:
         # Rows with a NaN or inf get a safe token below, and their flag goes in the read.
         finite = finite_rows(logits) if greedy is None else greedy[:, 2] != 0
         raw = logits  # the model's dtype: the filters rank these (bf16: a 16-bit sort)
-        if adjust_secs is not None:
+        if adjust_secs is not None or masked:
             # Adjusted values are not exact in 16 bits: this call works in fp32 (an unadjusted
             # row's fp32 upcast ranks and samples as its 16-bit values do).
             raw = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if masked:
+            from detlora.engine.sample.grammar import apply_token_bitmask
+
+            masks = torch.stack([requests[i].token_mask for i in masked])
+            apply_token_bitmask(raw, dev[masked_sec], masks.to(device, non_blocking=True))
         if banned_rows:
             if raw is logits:
                 raw = logits.clone()  # the caller's logits stay untouched
@@ -467,7 +491,8 @@ class Sampler:
             top_k_t = dev[top_k_sec] if top_k_sec is not None else None
             limit_t = dev[limit_sec] if limit_sec is not None else None
             rows = raw[s_sel]  # 16-bit logits are gathered as they are: no fp32 round trip
-            if self._rank_dtype is not None and rows.dtype == torch.float32 and not adjusted:
+            if (self._rank_dtype is not None and rows.dtype == torch.float32 and not adjusted
+                    and not masked):
                 rows = rows.to(self._rank_dtype)  # exact: the same values, ranks and ties
             filtered = filter_logits(rows, temps, top_k_t, limit_t,
                                      log_softmax=self._log_softmax, kernels=kernels)

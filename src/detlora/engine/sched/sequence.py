@@ -61,6 +61,9 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
     num_reported: int = 0  # output tokens already reported (RequestOutputKind.DELTA)
     detokenizer: object | None = None  # its IncrementalDetokenizer, for per-step text
+    grammar: object | None = None  # a GrammarMatcher (structured_outputs), at its read tokens
+    label_token_ids: tuple[int, ...] | None = None  # raw logprobs wanted at the first output
+    label_logprobs: dict[int, float] | None = None  # ... and there they are
 
     def __post_init__(self) -> None:
         if not self.token_ids:

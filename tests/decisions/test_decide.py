@@ -1,0 +1,67 @@
+"""LLM.decide: typed questions answered from the first reply token's label logprobs; a question
+asked alone or beside others, with or without an adapter, gives the same probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from tests.helpers.tiny_chat_model import build_tiny_chat_model
+
+from detlora.decisions import parse_questions, softmax
+from detlora.entrypoints.llm import LLM
+from detlora.lora.request import LoRARequest
+
+QUESTIONS = {
+    "toxic": {"type": "noul", "criteria": "Is this comment toxic?"},
+    "side": {"type": "noul", "instructions": "Is it calm?",
+             "criteria": {"yes": "no anger", "no": "anger"}},
+    "mood": {"type": "choice", "criteria": {"calm": "no anger", "angry": "shouting",
+                                            "sad": None}},
+    "urgency": {"type": "score", "criteria": ["can wait", "today", "now"]},
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model, adapters = build_tiny_chat_model(tmp_path_factory.mktemp("decide"))
+    return LLM(model, device="cpu", enable_lora=True), LoRARequest("a", 1, str(adapters[0]))
+
+
+def test_answers_are_shaped_and_reproducible(setup):
+    llm, lora = setup
+    state = {"comment": "the customer is angry"}
+    d = llm.decide(state, QUESTIONS, instructions="Judge.", lora_request=lora)
+    a = d.answers
+    assert 0.0 <= a["toxic"]["noul"] <= 1.0
+    assert a["mood"]["choice"] in ("calm", "angry", "sad")
+    assert math.isclose(sum(a["mood"]["probabilities"].values()), 1.0)
+    assert a["mood"]["confidence"] == max(a["mood"]["probabilities"].values())
+    probs = a["urgency"]["probabilities"]
+    assert a["urgency"]["score"] == math.fsum(int(k) * p for k, p in probs.items())
+    assert a["urgency"]["legend"] == {"1": "can wait", "2": "today", "3": "now"}
+    assert d.cached_tokens > 0  # the questions shared the state's pages
+    for qid, q in QUESTIONS.items():  # alone, without the others beside it
+        assert llm.decide(state, {qid: q}, instructions="Judge.",
+                          lora_request=lora).answers[qid] == a[qid]
+    assert llm.decide(state, QUESTIONS, instructions="Judge.").fingerprint != d.fingerprint
+
+
+def test_bad_questions_are_refused(setup):
+    llm, _ = setup
+    with pytest.raises(ValueError, match="type must be one of"):
+        llm.decide("x", {"q": {"type": "maybe"}})
+    with pytest.raises(ValueError, match="2 to 26"):
+        llm.decide("x", {"q": {"type": "choice", "criteria": ["only"]}})
+    with pytest.raises(ValueError, match="not a single token"):
+        llm.decide("x", {"q": {"type": "score", "criteria": [str(i) for i in range(10)]}})
+    with pytest.raises(ValueError, match="state must be"):
+        llm.decide(3, {"q": {"type": "noul"}})
+    with pytest.raises(ValueError, match="at most 1 questions"):
+        parse_questions(QUESTIONS, max_questions=1)
+
+
+def test_softmax_is_exact_and_rejects_zero_mass():
+    assert softmax([0.0, 0.0]) == [0.5, 0.5]
+    with pytest.raises(ValueError):
+        softmax([-math.inf, -math.inf])
