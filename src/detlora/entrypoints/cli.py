@@ -157,6 +157,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    _prepare_runtime()
+    from detlora.entrypoints.openai.cli_args import run_serve
+
+    return run_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detlora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -216,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated determinism levels (default: all the device shows)")
     d.add_argument("--device", default="auto")
     d.set_defaults(func=_cmd_demo)
+
+    from detlora.entrypoints.openai.cli_args import add_serve_args
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, "
+                                     "decisions; adapters as models)")
+    add_serve_args(s)
+    s.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,435 @@
+"""``AsyncLLM``: the engine for asyncio code (a server), shaped like vLLM v1's ``AsyncLLM``.
+
+The engine steps in a process of its own (``core_proc``); this object, in the caller's
+process and event loop, sends it requests and aborts and turns what comes back into
+``RequestOutput`` deltas (new token ids, logprobs, text that never splits a character, the
+finish reason). Two threads move the pickled messages (one sends, one receives), so neither a
+full pipe nor a long step ever blocks the event loop.
+
+    llm = await AsyncLLM.start(EngineConfig(model=...), tokenizer_dir=...)
+    stream = await llm.add_request("r1", prompt_ids, SamplingParams(max_tokens=32))
+    async for delta in stream:          # RequestOutput with DELTA outputs; the last finished
+        ...
+    await llm.shutdown()
+
+``add_request`` returns once the engine has accepted the request, and raises ValueError with
+the engine's reason when it refuses it (so a server can answer 400 before it streams).
+Leaving a stream unfinished (``aclose``, a cancelled task, a client that went away) aborts
+the request and frees its KV pages at once. ``max_unfinished`` bounds the sequences in
+flight: past it ``add_request`` raises ``EngineOverloadedError`` at once.
+
+Deltas that arrive while the consumer is busy are merged, so a slow consumer gets fewer,
+larger deltas and never slows the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from detlora.config import EngineConfig, RequestOutputKind, SamplingParams
+from detlora.engine.core_proc import AddRequest, Delta, EngineInfo, EngineStats
+from detlora.engine.detokenizer import IncrementalDetokenizer
+from detlora.engine.outputs import CompletionOutput, RequestOutput
+from detlora.engine.sample.stop_strings import match_stop_string
+from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.lora.request import LoRARequest
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests in flight: try again later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process stopped."""
+
+
+@dataclass
+class StreamTimes:
+    """When a request arrived and read its tokens (for metrics)."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    inter_token: list[float] = field(default_factory=list)  # seconds between token reads
+    first_token_reported: bool = False  # set by whoever reports the time to first token
+
+
+class RequestStream:
+    """One request's deltas: iterate it (``async for``) until the finished one."""
+
+    def __init__(self, llm: AsyncLLM, req: AddRequest, prompt: str | None,
+                 on_delta: Callable[[RequestStream, int], None] | None,
+                 detokenize: bool) -> None:
+        self.llm = llm
+        self.request = req
+        self.prompt = prompt
+        self.times = StreamTimes(time.monotonic())
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending: list[Delta] = []
+        self._event = asyncio.Event()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._ids: list[int] = []  # every output id so far
+        self._on_delta = on_delta
+        params = req.params
+        tok = llm.tokenizer
+        self._detok = None
+        if tok is not None and detokenize:
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            self._detok = IncrementalDetokenizer(tok.decode, hold_back=hold)
+        self.fingerprint = llm.fingerprint_of(req.lora)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    # ---- fed by the receiving thread, on the event loop ----
+
+    def _put(self, delta: Delta, now: float) -> None:
+        n = len(delta[1])
+        if n:
+            t = self.times
+            if t.first_token is None:
+                t.first_token = now
+                n -= 1
+            elif t.last_token is not None:
+                t.inter_token.extend([(now - t.last_token) / n] * n)
+            t.last_token = now
+        self._pending.append(delta)
+        self._event.set()
+        if self._on_delta is not None:
+            self._on_delta(self, len(delta[1]))
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        if not self.accepted.done():
+            self.accepted.set_exception(error)
+            self.accepted.exception()  # retrieved: no "never retrieved" warning
+        self._event.set()
+
+    # ---- the consumer ----
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._finished:
+                await self._event.wait()
+                self._event.clear()
+                if self._pending:
+                    merged, self._pending = self._pending, []
+                    yield self._output(merged)
+                elif self._error is not None:
+                    raise self._error
+        finally:
+            if not self._finished:
+                self.llm._abort_unfinished(self)
+
+    def _output(self, deltas: list[Delta]) -> RequestOutput:
+        ids = [t for d in deltas for t in d[1]]
+        lps = None
+        if self.request.params.logprobs is not None:
+            lps = [lp for d in deltas for lp in (d[2] or ())]
+        reason, stop_reason = deltas[-1][3], deltas[-1][4]
+        first = next((d[5] for d in deltas if d[5] is not None), None)
+        self._ids += ids
+        finished = reason is not None
+        text = ""
+        if self._detok is not None:
+            if finished:
+                text = self._detok.finish(self._ids, self._text_end(reason, stop_reason))
+            else:
+                text = self._detok.update(self._ids)
+        self._finished = finished
+        if finished:
+            self.llm._forget(self)
+        cached, prompt_lps, label_lps = first if first is not None else (0, None, None)
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=self.request.prompt_token_ids,
+            outputs=[CompletionOutput(index=self.request.sample_index, text=text,
+                                      token_ids=ids, logprobs=lps, finish_reason=reason,
+                                      stop_reason=stop_reason)],
+            finished=finished, fingerprint=self.fingerprint, prompt_logprobs=prompt_lps,
+            num_cached_tokens=cached, label_logprobs=label_lps)
+
+    def _text_end(self, reason: str | None, stop_reason: Any) -> int | None:
+        """Where a stop string cut the text: the engine's own rule on the same ids."""
+        params = self.request.params
+        if reason != "stop" or not isinstance(stop_reason, str) or self.llm.tokenizer is None:
+            return None
+        match = match_stop_string(self.llm.tokenizer.decode, self._ids, params.stop,
+                                  params.include_stop_str_in_output)
+        return None if match is None else match.text_end
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, info: EngineInfo,
+                 process: Any, conn_in: Any, conn_out: Any, max_unfinished: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.info = info
+        self.max_unfinished = max_unfinished
+        self.stats: EngineStats | None = None
+        self._process = process
+        self._conn_in = conn_in  # we send on it
+        self._conn_out = conn_out  # we receive on it
+        self._loop = asyncio.get_running_loop()
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._fingerprints: dict[int, str] = {}
+        self._num_unfinished = 0  # sequences added and not finished, aborted or refused
+        self._dead: str | None = None
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self.on_delta: Callable[[RequestStream, int], None] | None = None  # metrics hook
+        self.on_crash: Callable[[str], None] | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="detlora-send",
+                                        daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, name="detlora-receive",
+                                          daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, tokenizer_dir: str | None = None,
+                    max_unfinished: int | None = None,
+                    torch_threads: int | None = None) -> AsyncLLM:
+        """Spawn the engine process and wait until its engine is built (ValueError with the
+        engine's message when it cannot be)."""
+        tok_dir = tokenizer_dir or config.model
+        tokenizer = Tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+        # A fresh interpreter running core_proc (not multiprocessing's spawn, which would
+        # import the caller's __main__ again), with two pipes handed over by descriptor.
+        child_in, in_send_fd = os.pipe()
+        out_recv_fd, child_out = os.pipe()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # this detlora, not another install
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "detlora.engine.core_proc", str(child_in), str(child_out)],
+            pass_fds=(child_in, child_out), env=env, stdin=subprocess.DEVNULL)
+        os.close(child_in)
+        os.close(child_out)
+        in_send = Connection(in_send_fd, readable=False)
+        out_recv = Connection(out_recv_fd, writable=False)
+        try:
+            in_send.send((config, tok_dir if tokenizer is not None else None, torch_threads))
+            msg = await asyncio.to_thread(_recv_or_none, out_recv)
+        except BaseException:
+            process.kill()
+            raise
+        if msg is None or msg[0] != "ready":
+            await asyncio.to_thread(process.wait, 10)
+            reason = msg[1] if msg is not None else "the engine process exited"
+            in_send.close()
+            out_recv.close()
+            raise ValueError(f"the engine could not start: {reason}")
+        info: EngineInfo = msg[1]
+        limit = max_unfinished if max_unfinished is not None else 4 * info.max_num_seqs
+        return cls(config, tokenizer, info, process, in_send, out_recv, limit)
+
+    # ---- requests ----
+
+    def fingerprint_of(self, lora: LoRARequest | None) -> str:
+        if lora is None:
+            return self.info.base_fingerprint
+        return self._fingerprints.get(lora.id, "")
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._num_unfinished
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    def check_capacity(self, num_sequences: int) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._num_unfinished + num_sequences > self.max_unfinished:
+            raise EngineOverloadedError(
+                f"the server is at its limit of {self.max_unfinished} sequences in flight")
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        lora: LoRARequest | None = None,
+        sample_index: int = 0,
+        label_token_ids: Sequence[int] | None = None,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it."""
+        self.check_capacity(1)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        detokenize = params.detokenize
+        if params.output_kind is not RequestOutputKind.DELTA or params.detokenize:
+            # The engine reports deltas of ids; text is made here, where the tokenizer is.
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA,
+                                         detokenize=False)
+        req = AddRequest(request_id, list(prompt_token_ids), params, lora, sample_index,
+                         None if label_token_ids is None else tuple(label_token_ids))
+        stream = RequestStream(self, req, prompt, self.on_delta, detokenize)
+        self._streams[request_id] = stream
+        self._num_unfinished += 1
+        self._outbox.put(("add", req))
+        try:
+            await stream.accepted
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._abort_unfinished(stream)
+
+    def _abort_unfinished(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            self._forget(stream)
+            self._outbox.put(("abort", [stream.request_id]))
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            self._num_unfinished -= 1
+
+    # ---- calls ----
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = fut
+        self._outbox.put(("call", call_id, name, args))
+        return await fut
+
+    async def add_lora(self, lora: LoRARequest) -> str:
+        """Load and check an adapter; returns the fingerprint of its requests (ValueError
+        with the reason when the adapter is refused)."""
+        fingerprint = await self._call("add_lora", lora)
+        self._fingerprints[lora.id] = fingerprint
+        return fingerprint
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self._fingerprints.pop(lora_id, None)
+        return await self._call("remove_lora", lora_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    # ---- shutdown ----
+
+    async def shutdown(self, drain: bool = False, timeout: float = 30.0) -> None:
+        """Stop the engine process (``drain``: after the requests it runs finish)."""
+        if self._dead is None:
+            self._outbox.put(("shutdown", drain))
+        try:
+            await asyncio.to_thread(self._process.wait, timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            await asyncio.to_thread(self._process.wait, 10)
+        self._dead = self._dead or "the engine was shut down"
+        self._outbox.put(None)
+        for stream in list(self._streams.values()):
+            stream._fail(EngineDeadError(self._dead))
+
+    # ---- threads ----
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._conn_in.send(msg)
+            except (OSError, ValueError):
+                return
+
+    def _receive_loop(self) -> None:
+        while True:
+            msg = _recv_or_none(self._conn_out)
+            if msg is None:
+                self._loop.call_soon_threadsafe(self._engine_gone)
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _engine_gone(self) -> None:
+        if self._dead is None:
+            self._dead = "the engine process exited"
+        for stream in list(self._streams.values()):
+            self._forget(stream)
+            stream._fail(EngineDeadError(self._dead))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self._dead))
+        self._calls.clear()
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, deltas, accepted, rejected, stats = msg
+            streams = self._streams
+            for rid in accepted:
+                s = streams.get(rid)
+                if s is not None and not s.accepted.done():
+                    s.accepted.set_result(None)
+            for rid, reason in rejected:
+                s = streams.get(rid)
+                if s is not None:
+                    self._forget(s)
+                    s._fail(ValueError(reason))
+            now = time.monotonic()
+            for d in deltas:
+                s = streams.get(d[0])
+                if s is not None:
+                    s._put(d, now)
+            self.stats = stats
+        elif kind == "result":
+            _, call_id, ok, value = msg
+            fut = self._calls.pop(call_id, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(ValueError(value))
+        elif kind == "crashed":
+            for stream in list(self._streams.values()):
+                self._forget(stream)
+                stream._fail(RuntimeError("the engine failed a step; the request was dropped"))
+            if self.on_crash is not None:
+                self.on_crash(msg[1])
+
+
+def _recv_or_none(conn: Any) -> Any:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestStream"]

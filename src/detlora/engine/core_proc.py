@@ -1,0 +1,255 @@
+"""The engine loop of a server, in a process of its own (vLLM v1's EngineCore process).
+
+The process owns an ``LLMEngine`` and nothing else: between steps it takes the messages the
+front end sent (requests to add, requests to abort, calls such as loading an adapter), then
+runs one step and sends back, per request that read tokens, only what is new: token ids,
+logprobs, and the finish reason once it ends. Tokenizing, detokenizing and HTTP stay in the
+front end's process, so the step loop never waits for Python work on the serving side (the
+GIL of one process would serialise both). Messages are pickled tuples over two pipes:
+
+front end -> core
+    ("add", AddRequest)       a request; the core answers with its id in ``accepted`` or
+                              ``rejected`` (with the ValueError's message) in the next message
+    ("abort", [request ids])  drop them now, freeing their KV pages
+    ("call", id, name, args)  ``add_lora``, ``remove_lora``, ``reset_prefix_cache``; answered
+                              by ("result", id, ok, value)
+    ("shutdown", drain)       stop; with ``drain`` after the running requests finish
+
+core -> front end
+    ("ready", EngineInfo) or ("failed", message)   once, after the engine is built
+    ("step", [Delta], accepted, rejected, EngineStats)
+    ("result", id, ok, value)
+    ("crashed", message)      a step raised: every request in flight was dropped
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from detlora.config import EngineConfig, SamplingParams
+from detlora.lora.request import LoRARequest
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora: LoRARequest | None = None
+    sample_index: int = 0
+    label_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front end needs to know about the engine it talks to."""
+
+    base_fingerprint: str
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: tuple[int, ...]
+    determinism: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_kv_blocks: int
+    adapter_loads: int
+    num_preemptions: int
+
+
+# One request's news in a step: (request_id, new token ids, new logprobs or None, finish reason
+# or None, stop reason, first) where ``first`` is (num_cached_tokens, prompt_logprobs,
+# label_logprobs) in the request's first delta and None after it.
+Delta = tuple[str, list[int], list | None, str | None, Any, tuple | None]
+
+
+def _delta(seq: Any) -> Delta:
+    num_read = seq.num_output_tokens if seq.is_finished else seq.num_read_output_tokens
+    start = seq.num_reported
+    p = seq.num_prompt_tokens
+    ids = seq.token_ids[p + start: p + num_read]
+    lps = seq.logprobs[start:num_read] if seq.params.logprobs is not None else None
+    first = None
+    if start == 0:
+        prompt_lps = None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
+        first = (seq.num_cached_tokens or 0, prompt_lps, seq.label_logprobs)
+    seq.num_reported = num_read
+    reason = seq.finish_reason.value if seq.finish_reason is not None else None
+    return (seq.request_id, ids, lps, reason, seq.stop_reason, first)
+
+
+class EngineCore:
+    """The loop around one engine; ``run`` returns when told to shut down or the front end's
+    pipe closes."""
+
+    def __init__(self, engine: Any, conn_in: Connection, conn_out: Connection) -> None:
+        self.engine = engine
+        self.conn_in = conn_in
+        self.conn_out = conn_out
+        self._accepted: list[str] = []
+        self._rejected: list[tuple[str, str]] = []
+        self._last_stats: EngineStats | None = None
+        self._stop = False
+        self._drain = False
+
+    def stats(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            num_free_blocks=e.block_manager.num_free, num_kv_blocks=e.num_kv_blocks,
+            adapter_loads=e.lora_manager.loads if e.lora_manager is not None else 0,
+            num_preemptions=e.scheduler.num_preemptions)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: AddRequest = msg[1]
+            try:
+                self.engine.add_request(
+                    req.prompt_token_ids, req.params, lora=req.lora, request_id=req.request_id,
+                    sample_index=req.sample_index, label_token_ids=req.label_token_ids)
+            except ValueError as e:
+                self._rejected.append((req.request_id, str(e)))
+            else:
+                self._accepted.append(req.request_id)
+        elif kind == "abort":
+            self.engine.abort_request(list(msg[1]))
+        elif kind == "call":
+            _, call_id, name, args = msg
+            try:
+                value = getattr(self, f"call_{name}")(*args)
+            except (ValueError, FileNotFoundError, OSError) as e:
+                self.conn_out.send(("result", call_id, False, str(e)))
+            else:
+                self.conn_out.send(("result", call_id, True, value))
+        elif kind == "shutdown":
+            self._stop, self._drain = True, bool(msg[1])
+        else:  # pragma: no cover - a front end bug
+            raise ValueError(f"unknown message {kind!r}")
+
+    # ---- calls ----
+
+    def call_add_lora(self, lora: LoRARequest) -> str:
+        """Load (and check) an adapter ahead of traffic; its requests' fingerprint."""
+        if self.engine.lora_manager is None:
+            raise ValueError("the engine was started without LoRA (enable_lora)")
+        self.engine.lora_manager.add(lora)
+        return self.engine.fingerprint_of(lora)
+
+    def call_remove_lora(self, lora_id: int) -> bool:
+        return self.engine.lora_manager is not None and self.engine.lora_manager.remove(lora_id)
+
+    def call_reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    # ---- the loop ----
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished()
+            try:
+                timeout = 0.0 if busy else 1.0
+                while self.conn_in.poll(timeout):
+                    self._handle(self.conn_in.recv())
+                    timeout = 0.0
+            except (EOFError, OSError):
+                return  # the front end is gone
+            if self._stop and not (self._drain and engine.has_unfinished()):
+                engine.abort_all()
+                return
+            deltas: list[Delta] = []
+            if engine.has_unfinished():
+                try:
+                    deltas = [_delta(seq) for seq in engine.step_sequences()]
+                except Exception as e:  # a bug: drop what runs, keep serving
+                    self.conn_out.send(("crashed", _describe(e)))
+                    engine.abort_all()
+            stats = self.stats()
+            if deltas or self._accepted or self._rejected or stats != self._last_stats:
+                try:
+                    self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats))
+                except OSError:
+                    return  # the front end is gone
+                self._accepted, self._rejected, self._last_stats = [], [], stats
+
+
+def _describe(e: BaseException) -> str:
+    """One line for the log: the exception and where it was raised (no full trace)."""
+    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    where = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineConfig,
+                    tokenizer_dir: str | None, torch_threads: int | None = None) -> None:
+    """Process entry point: build the engine, say ready (or why not), run the loop."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        from detlora.config import Determinism
+        from detlora.engine.llm_engine import LLMEngine
+        from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+
+        tokenizer = None
+        if tokenizer_dir is not None and has_tokenizer(tokenizer_dir):
+            tokenizer = Tokenizer(tokenizer_dir)
+        engine = LLMEngine(config, tokenizer=tokenizer,
+                           extra_eos_token_ids=tokenizer.eos_token_ids if tokenizer else ())
+        info = EngineInfo(
+            base_fingerprint=engine.fingerprint_of(None), vocab_size=engine.spec.vocab_size,
+            max_model_len=engine.max_model_len, num_kv_blocks=engine.num_kv_blocks,
+            block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            eos_token_ids=engine.eos_token_ids,
+            determinism=Determinism(engine.determinism).value)
+    except Exception as e:  # e.g. a bad model directory: the front end reports it
+        conn_out.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn_out.send(("ready", info))
+    EngineCore(engine, conn_in, conn_out).run()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m detlora.engine.core_proc FD_IN FD_OUT``: the pipes' descriptors; the first
+    message on FD_IN is (EngineConfig, tokenizer dir, torch threads)."""
+    import signal
+
+    # A terminal's Ctrl-C or a SIGTERM to the group reaches this process too: the front end
+    # decides when it stops (after its in-flight requests), or its pipe closing does.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn_in = Connection(int(argv[0]), writable=False)
+    conn_out = Connection(int(argv[1]), readable=False)
+    try:
+        config, tokenizer_dir, torch_threads = conn_in.recv()
+    except (EOFError, OSError):
+        return
+    run_engine_core(conn_in, conn_out, config, tokenizer_dir, torch_threads)
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Run the importable module, not this __main__ copy: what it pickles must name
+    # detlora.engine.core_proc's classes.
+    from detlora.engine import core_proc
+
+    core_proc.main(sys.argv[1:])
+
+
+__all__ = ["AddRequest", "Delta", "EngineCore", "EngineInfo", "EngineStats", "run_engine_core"]

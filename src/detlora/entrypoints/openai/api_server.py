@@ -1,0 +1,223 @@
+"""The OpenAI-compatible server: FastAPI routes over one ``AsyncLLM``, run by uvicorn.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /metrics``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /v1/decisions``, ``POST /v1/systemone``, and with
+runtime loading on ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Every response
+carries ``system_fingerprint``: equal fingerprints and equal requests (seed included) give
+equal outputs at ``batch_invariant``, whatever else the server runs. Errors are OpenAI-shaped
+JSON; an unexpected exception is logged here and answered 500 without its trace.
+
+``run_server`` starts the engine process, loads ``--lora-modules``, serves until SIGINT or
+SIGTERM, then lets in-flight requests finish (up to ``graceful_timeout`` seconds; the rest
+are aborted) and stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from detlora.config import EngineConfig
+from detlora.engine.async_llm import AsyncLLM
+from detlora.entrypoints.openai.errors import OpenAIError, bad_request
+from detlora.entrypoints.openai.metrics import ServerMetrics
+from detlora.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DecisionsRequest,
+    LoadLoRAAdapterRequest,
+    SystemOneRequest,
+    UnloadLoRAAdapterRequest,
+)
+from detlora.entrypoints.openai.security import BodyTooLarge, GuardMiddleware, too_large
+from detlora.entrypoints.openai.server_config import ServerConfig
+from detlora.entrypoints.openai.serving_chat import ServingChat
+from detlora.entrypoints.openai.serving_completion import ServingCompletion
+from detlora.entrypoints.openai.serving_decisions import ServingDecisions
+from detlora.entrypoints.openai.serving_models import ServingModels
+
+logger = logging.getLogger("detlora.server")
+
+_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+           "/v1/decisions", "/v1/systemone", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body as ``model``: 413 past the cap, 400 for bad JSON or fields."""
+    try:
+        raw = await request.body()
+    except BodyTooLarge:
+        raise too_large(request.app.state.config.max_request_bytes) from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise bad_request(f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
+                          where or None) from None
+
+
+class _CountStatus:
+    """ASGI wrapper: counts responses by route and status for /metrics."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http_requests.labels(route=route,
+                                                  status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any:
+    """The ASGI application (FastAPI inside the guard and the status counter)."""
+    app = FastAPI(title="detlora", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(llm, config.served_model_name)
+    app.state.config = config
+    app.state.llm = llm
+    app.state.metrics = metrics
+    completions = ServingCompletion(llm, models, config, metrics)
+    chat = ServingChat(llm, models, config, metrics)
+    decisions = ServingDecisions(llm, models, config, metrics)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.error("unexpected error on %s: %s: %s", request.url.path, type(exc).__name__,
+                     exc, exc_info=exc)
+        return OpenAIError(500, "internal server error").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_alive:
+            return OpenAIError(503, "the engine is not running").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(models.list())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await read_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await read_body(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/decisions")
+    async def create_decision(request: Request) -> Response:
+        req = await read_body(request, DecisionsRequest)
+        return await decisions.decide(req, request, systemone=False)
+
+    @app.post("/v1/systemone")
+    async def create_systemone(request: Request) -> Response:
+        req = await read_body(request, SystemOneRequest)
+        return await decisions.decide(req, request, systemone=True)
+
+    if config.enable_lora_loading:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            req = await read_body(request, LoadLoRAAdapterRequest)
+            await models.add(req.lora_name, req.lora_path, trusted=False)
+            return JSONResponse({"status": "ok", "lora_name": req.lora_name})
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            req = await read_body(request, UnloadLoRAAdapterRequest)
+            await models.remove(req.lora_name)
+            return JSONResponse({"status": "ok", "lora_name": req.lora_name})
+
+    asgi: Any = app
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        asgi = CORSMiddleware(asgi, allow_origins=list(config.cors_origins),
+                              allow_methods=["GET", "POST"],
+                              allow_headers=["authorization", "content-type", "x-api-key"])
+    asgi = GuardMiddleware(asgi, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    return _CountStatus(asgi, metrics)
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig, *,
+                tokenizer_dir: str | None = None, ready: Any = None) -> None:
+    """Start the engine, serve until a signal, then shut down gracefully."""
+    import uvicorn
+
+    llm = await AsyncLLM.start(
+        engine_config, tokenizer_dir=tokenizer_dir,
+        max_unfinished=engine_config.max_num_seqs + config.max_queued_requests)
+    try:
+        models = ServingModels(llm, config.served_model_name, lora_root=config.lora_root,
+                               enable_loading=config.enable_lora_loading)
+        for name, path in config.lora_modules:
+            try:
+                await models.add(name, path, trusted=True)
+            except OpenAIError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+        app = build_app(llm, models, config)
+        uv = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=max(1, int(config.graceful_timeout)),
+            access_log=False, lifespan="off"))
+        if ready is not None:
+            ready()
+        await uv.serve()
+    finally:
+        await llm.shutdown(drain=False)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig,
+               tokenizer_dir: str | None = None) -> int:
+    """``detlora serve``: blocks until the server stops; the exit status."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        # Before uvicorn serves, and once it re-raises the signal after its graceful
+        # shutdown: unwind (the engine stops in ``serve``'s finally) and exit 0.
+        raise SystemExit(0)
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logger.info("serving %s on http://%s:%d (determinism=%s)", config.served_model_name,
+                config.host, config.port, engine_config.resolved_determinism.value)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        asyncio.run(serve(engine_config, config, tokenizer_dir=tokenizer_dir))
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+__all__ = ["build_app", "read_body", "run_server", "serve"]

@@ -1,0 +1,120 @@
+"""``detlora serve MODEL``: the engine's arguments (those of ``LLM``) and the server's.
+
+Importing this module loads neither FastAPI nor torch; ``run_serve`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="Hugging Face model directory")
+    e = p.add_argument_group("engine (the arguments of LLM)")
+    e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    e.add_argument("--determinism", choices=["fast", "run_to_run", "batch_invariant"],
+                   default=None, help="default: batch_invariant")
+    e.add_argument("--lora-reduction", default=None)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="default: on at batch_invariant only")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--enable-lora", action="store_true",
+                   help="adapter slots (implied by --lora-modules or --enable-lora-loading)")
+    e.add_argument("--max-loras", type=int, default=4)
+    e.add_argument("--max-lora-rank", type=int, default=16)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (or set DETLORA_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the base model's id "
+                   "(default: MODEL as given)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="adapters served as models of their own")
+    s.add_argument("--enable-lora-loading", action="store_true",
+                   help="allow /v1/load_lora_adapter (from under --lora-root only)")
+    s.add_argument("--lora-root", default=None,
+                   help="the directory runtime-loaded adapters must resolve into")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="sequences that may wait beyond --max-num-seqs; then 503")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-prompt-tokens", type=int, default=None)
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="the largest max_tokens a request may ask for")
+    s.add_argument("--max-n", type=int, default=16)
+    s.add_argument("--max-logprobs", type=int, default=20)
+    s.add_argument("--max-questions", type=int, default=256)
+    s.add_argument("--allowed-origins", nargs="*", default=[],
+                   help="CORS origins (default: none, no CORS)")
+    s.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument("--log-level", default="warning")
+
+
+def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    seen: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=DIR, got {spec!r}")
+        if name in seen:
+            raise ValueError(f"--lora-modules {name}= is given twice")
+        if not Path(path).is_dir():
+            raise ValueError(f"--lora-modules {name}: adapter directory {path} does not exist")
+        seen[name] = path
+    return tuple(seen.items())
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from detlora.config import EngineConfig
+    from detlora.entrypoints.openai.server_config import ServerConfig
+
+    try:
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"model directory {args.model} does not exist")
+        modules = _lora_modules(args.lora_modules)
+        lora = bool(modules) or args.enable_lora or args.enable_lora_loading
+        engine = EngineConfig(
+            model=args.model, enable_lora=lora, max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras, determinism=args.determinism,
+            lora_reduction=args.lora_reduction, dtype=args.dtype, device=args.device,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+            seed=args.seed)
+        server = ServerConfig(
+            model=args.model, served_model_name=args.served_model_name or args.model,
+            host=args.host, port=args.port,
+            api_key=args.api_key or os.environ.get("DETLORA_API_KEY") or None,
+            lora_modules=modules, enable_lora_loading=args.enable_lora_loading,
+            lora_root=args.lora_root, max_queued_requests=args.max_queued_requests,
+            max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens_limit, max_n=args.max_n, max_logprobs=args.max_logprobs,
+            max_questions=args.max_questions, cors_origins=tuple(args.allowed_origins),
+            graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+        from detlora.entrypoints.openai.api_server import run_server
+
+        return run_server(engine, server, tokenizer_dir=args.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"detlora serve: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["add_serve_args", "run_serve"]

@@ -1,0 +1,87 @@
+"""``GET /metrics``: Prometheus metrics of one server (its own registry, not the global one).
+
+Counters of HTTP requests by route and status, prompt and output tokens, finished requests
+by reason and adapter loads; histograms of time to first token and inter-token latency (per
+request, measured where the front end receives the engine's tokens); gauges of running and
+waiting sequences and of KV-cache use, from the engine's latest step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from detlora.engine.async_llm import AsyncLLM, RequestStream
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        r = self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.http_requests = Counter("detlora:http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("detlora:prompt_tokens", "Prompt tokens of admitted "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("detlora:generation_tokens", "Output tokens generated",
+                                         registry=r)
+        self.finished = Counter("detlora:request_finished", "Sequences finished, by reason",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("detlora:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("detlora:inter_token_latency_seconds", "Time between tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
+        self.waiting = Gauge("detlora:num_requests_waiting", "Sequences waiting", registry=r)
+        self.kv_usage = Gauge("detlora:kv_cache_usage_perc", "Fraction of KV pages in use "
+                              "(1 = full)", registry=r)
+        self.kv_free = Gauge("detlora:kv_cache_free_blocks", "KV pages free (cached pages "
+                             "nobody uses count as free)", registry=r)
+        self.adapter_loads = Gauge("detlora:lora_adapter_loads", "Adapters read from disk so "
+                                   "far", registry=r)
+        self.preemptions = Gauge("detlora:num_preemptions", "Sequences preempted so far",
+                                 registry=r)
+        self.info = Gauge("detlora:engine_info", "The engine's fingerprint and level",
+                          ["model_name", "fingerprint", "determinism"], registry=r)
+        self.info.labels(**labels, fingerprint=llm.info.base_fingerprint,
+                         determinism=llm.info.determinism).set(1)
+        llm.on_delta = self.on_delta
+
+    def on_delta(self, stream: RequestStream, num_tokens: int) -> None:
+        """Called for every delta the engine sends (on the event loop)."""
+        self.generation_tokens.inc(num_tokens)
+        times = stream.times
+        if times.first_token is not None and not times.first_token_reported:
+            times.first_token_reported = True
+            self.ttft.observe(times.first_token - times.arrival)
+        for gap in times.inter_token:
+            self.itl.observe(gap)
+        times.inter_token.clear()
+
+    def observe_finish(self, reason: str) -> None:
+        self.finished.labels(finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        stats = self.llm.stats
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_free.set(stats.num_free_blocks)
+            self.kv_usage.set(1.0 - stats.num_free_blocks / max(1, stats.num_kv_blocks))
+            self.adapter_loads.set(stats.adapter_loads)
+            self.preemptions.set(stats.num_preemptions)
+        return generate_latest(self.registry)
+
+
+__all__ = ["ServerMetrics"]

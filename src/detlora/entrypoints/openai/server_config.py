@@ -1,0 +1,51 @@
+"""What the server does beyond the engine: where it listens, who may call it, what it caps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Safe by default: loopback only, no CORS, no runtime adapter loading, bounded requests.
+
+    ``lora_modules``: (name, path) pairs served as models of their own. ``lora_root``: with
+    ``enable_lora_loading``, ``/v1/load_lora_adapter`` loads adapters from under it only.
+    ``max_queued_requests``: sequences that may wait beyond the engine's ``max_num_seqs``;
+    past that, requests get 503 at once. The other ``max_*`` cap one request (413 for the
+    body, 400 for the rest); ``max_tokens=None`` caps at the model's length.
+    """
+
+    model: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_loading: bool = False
+    lora_root: str | None = None
+    max_queued_requests: int = 1024
+    max_request_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens: int | None = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_questions: int = 256
+    cors_origins: tuple[str, ...] = ()
+    graceful_timeout: float = 30.0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_request_bytes", "max_n", "max_logprobs",
+                     "max_questions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.enable_lora_loading and not self.lora_root:
+            raise ValueError("runtime adapter loading needs --lora-root: adapters load only "
+                             "from under it")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key must not be empty")
+
+
+__all__ = ["ServerConfig"]

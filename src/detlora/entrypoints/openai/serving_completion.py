@@ -1,0 +1,159 @@
+"""``POST /v1/completions``: text or token-id prompts (one or a list), ``n`` completions each,
+streamed as server-sent events or answered whole. Choice ``i * n + j`` is completion j of
+prompt i, as OpenAI numbers them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from detlora.engine.outputs import RequestOutput
+from detlora.entrypoints.openai.errors import bad_request
+from detlora.entrypoints.openai.protocol import CompletionRequest
+from detlora.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    random_id,
+    run_until_disconnect,
+)
+
+
+class ServingCompletion(OpenAIServing):
+    def _prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items:
+            raise bad_request("prompt is empty", "prompt")
+        prompts = []
+        for k, item in enumerate(items):
+            where = f"prompt[{k}]" if len(items) > 1 else "prompt"
+            if isinstance(item, str):
+                ids, text = self.encode(item), item
+            else:
+                ids, text = list(item), None
+            self.check_prompt(ids, where)
+            prompts.append((ids, text))
+        return prompts
+
+    async def create(self, req: CompletionRequest, request: Request) -> Response:
+        lora = self.models.resolve(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (or be left out)", "best_of")
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        prompts = self._prompts(req)
+        params = self.sampling_params(
+            req, max_tokens=req.max_tokens, prompt_len=max(len(ids) for ids, _ in prompts),
+            logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+        rid = random_id("cmpl")
+        model = req.model or self.models.base_name
+        streams = await self.open_streams(prompts, params, lora, rid)
+        fingerprint = self.fingerprint(lora)
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, streams, rid, model, fingerprint, prompts),
+                media_type="text/event-stream")
+        outs = await run_until_disconnect(request, self.collect(streams))
+        if outs is None:
+            return Response(status_code=499)
+        choices = [self._choice(i, o, req) for i, o in enumerate(outs)]
+        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        cached = sum(o.num_cached_tokens for o in outs[:: params.n])
+        body = {"id": rid, "object": "text_completion", "created": self.now(), "model": model,
+                "choices": choices, "system_fingerprint": fingerprint,
+                "usage": self.usage(sum(len(ids) for ids, _ in prompts), completion, cached)}
+        return JSONResponse(body)
+
+    def _logprobs(self, out: RequestOutput, req: CompletionRequest, text_offset: int) -> dict:
+        comp = out.outputs[0]
+        as_ids = req.return_tokens_as_token_ids
+        k = req.logprobs or 0
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = text_offset
+        for tid, entry in zip(comp.token_ids, comp.logprobs or (), strict=True):
+            tok = self.token_text(tid, as_ids)
+            tokens.append(tok)
+            token_lps.append(entry[tid])
+            tops.append({self.token_text(t, as_ids): lp for t, lp in self.top_entries(entry, k)}
+                        if k else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _choice(self, index: int, out: RequestOutput, req: CompletionRequest) -> dict:
+        comp = out.outputs[0]
+        choice: dict[str, Any] = {
+            "index": index, "text": comp.text,
+            "logprobs": self._logprobs(out, req, 0) if req.logprobs is not None else None,
+            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = comp.token_ids
+            choice["prompt_token_ids"] = out.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
+        return choice
+
+    async def _stream(self, req: CompletionRequest, streams: list, rid: str, model: str,
+                      fingerprint: str, prompts: list) -> AsyncIterator[str]:
+        created = self.now()
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        completion_tokens = 0
+        cached = 0
+        offsets = [0] * len(streams)
+        seen: set[int] = set()
+        try:
+            async for i, out in self.merged(streams):
+                comp = out.outputs[0]
+                completion_tokens += len(comp.token_ids)
+                if i not in seen:  # a stream's first delta: completion 0 counts the cache
+                    seen.add(i)
+                    cached += out.num_cached_tokens if i % req.n == 0 else 0
+                choice: dict[str, Any] = {
+                    "index": i, "text": comp.text,
+                    "logprobs": self._logprobs(out, req, offsets[i])
+                    if req.logprobs is not None else None,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason}
+                offsets[i] += len(comp.text)
+                if req.return_token_ids:
+                    choice["token_ids"] = comp.token_ids
+                if out.finished:
+                    self.metrics.observe_finish(comp.finish_reason or "abort")
+                chunk = {"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [choice],
+                         "system_fingerprint": fingerprint}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if include_usage:
+                chunk = {"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [], "system_fingerprint": fingerprint,
+                         "usage": self.usage(sum(len(ids) for ids, _ in prompts),
+                                             completion_tokens, cached)}
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as e:  # the engine died or failed the request: tell the client
+            yield f"data: {json.dumps(_stream_error(e))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _prompt_logprobs(entries: list | None) -> list | None:
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): lp for t, lp in e.items()} for e in entries]
+
+
+def _stream_error(e: Exception) -> dict:
+    return {"error": {"message": f"the request failed: {e}", "type": "server_error",
+                      "param": None, "code": None}}
+
+
+__all__ = ["ServingCompletion"]
