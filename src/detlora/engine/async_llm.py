@@ -162,12 +162,14 @@ class RequestStream:
         if finished:
             self.llm._forget(self)
         cached, prompt_lps, label_lps = first if first is not None else (0, None, None)
+        error = stop_reason if reason == "error" else None
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.request.prompt_token_ids,
             outputs=[CompletionOutput(index=self.request.sample_index, text=text,
                                       token_ids=ids, logprobs=lps, finish_reason=reason,
-                                      stop_reason=stop_reason)],
+                                      stop_reason=None if error else stop_reason,
+                                      error=error)],
             finished=finished, fingerprint=self.fingerprint, prompt_logprobs=prompt_lps,
             num_cached_tokens=cached, label_logprobs=label_lps)
 

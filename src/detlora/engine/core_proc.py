@@ -69,8 +69,9 @@ class EngineStats:
 
 
 # One request's news in a step: (request_id, new token ids, new logprobs or None, finish reason
-# or None, stop reason, first) where ``first`` is (num_cached_tokens, prompt_logprobs,
-# label_logprobs) in the request's first delta and None after it.
+# or None, stop reason (for finish reason "error": the error message), first) where ``first``
+# is (num_cached_tokens, prompt_logprobs, label_logprobs) in the request's first delta and None
+# after it.
 Delta = tuple[str, list[int], list | None, str | None, Any, tuple | None]
 
 
@@ -86,7 +87,8 @@ def _delta(seq: Any) -> Delta:
         first = (seq.num_cached_tokens or 0, prompt_lps, seq.label_logprobs)
     seq.num_reported = num_read
     reason = seq.finish_reason.value if seq.finish_reason is not None else None
-    return (seq.request_id, ids, lps, reason, seq.stop_reason, first)
+    stop = seq.error if reason == "error" else seq.stop_reason
+    return (seq.request_id, ids, lps, reason, stop, first)
 
 
 class EngineCore:
@@ -129,8 +131,8 @@ class EngineCore:
             _, call_id, name, args = msg
             try:
                 value = getattr(self, f"call_{name}")(*args)
-            except (ValueError, FileNotFoundError, OSError) as e:
-                self.conn_out.send(("result", call_id, False, str(e)))
+            except Exception as e:  # reported to the caller, never fatal to the loop
+                self.conn_out.send(("result", call_id, False, str(e) or type(e).__name__))
             else:
                 self.conn_out.send(("result", call_id, True, value))
         elif kind == "shutdown":
@@ -141,14 +143,20 @@ class EngineCore:
     # ---- calls ----
 
     def call_add_lora(self, lora: LoRARequest) -> str:
-        """Load (and check) an adapter ahead of traffic; its requests' fingerprint."""
-        if self.engine.lora_manager is None:
+        """Register, load and check an adapter ahead of traffic; its requests' fingerprint."""
+        engine = self.engine
+        if engine.lora_manager is None:
             raise ValueError("the engine was started without LoRA (enable_lora)")
-        self.engine.lora_manager.add(lora)
-        return self.engine.fingerprint_of(lora)
+        engine.register_lora(lora)
+        try:
+            engine.lora_manager.add(lora)
+        except BaseException:
+            engine.remove_lora(lora.id)
+            raise
+        return engine.fingerprint_of(lora)
 
     def call_remove_lora(self, lora_id: int) -> bool:
-        return self.engine.lora_manager is not None and self.engine.lora_manager.remove(lora_id)
+        return self.engine.remove_lora(lora_id)
 
     def call_reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

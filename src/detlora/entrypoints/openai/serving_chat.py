@@ -16,6 +16,7 @@ from detlora.entrypoints.openai.protocol import ChatCompletionRequest
 from detlora.entrypoints.openai.serving_completion import _stream_error
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    raise_if_failed,
     random_id,
     run_until_disconnect,
 )
@@ -117,6 +118,7 @@ class ServingChat(OpenAIServing):
                 yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
             async for i, out in self.merged(streams):
                 comp = out.outputs[0]
+                raise_if_failed(out)
                 completion_tokens += len(comp.token_ids)
                 if i == 0 and out.num_cached_tokens:
                     cached = out.num_cached_tokens

@@ -12,10 +12,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from detlora.engine.outputs import RequestOutput
-from detlora.entrypoints.openai.errors import bad_request
+from detlora.entrypoints.openai.errors import OpenAIError, bad_request
 from detlora.entrypoints.openai.protocol import CompletionRequest
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    raise_if_failed,
     random_id,
     run_until_disconnect,
 )
@@ -115,6 +116,7 @@ class ServingCompletion(OpenAIServing):
         try:
             async for i, out in self.merged(streams):
                 comp = out.outputs[0]
+                raise_if_failed(out)
                 completion_tokens += len(comp.token_ids)
                 if i not in seen:  # a stream's first delta: completion 0 counts the cache
                     seen.add(i)
@@ -152,8 +154,11 @@ def _prompt_logprobs(entries: list | None) -> list | None:
 
 
 def _stream_error(e: Exception) -> dict:
-    return {"error": {"message": f"the request failed: {e}", "type": "server_error",
-                      "param": None, "code": None}}
+    """The SSE error event of a stream that cannot go on (OpenAI-shaped, no trace)."""
+    if isinstance(e, OpenAIError):
+        return e.body()
+    return {"error": {"message": f"the request failed: {type(e).__name__}",
+                      "type": "server_error", "param": None, "code": None}}
 
 
 __all__ = ["ServingCompletion"]

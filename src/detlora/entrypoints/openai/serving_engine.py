@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +33,8 @@ from detlora.entrypoints.openai.protocol import SamplingFields
 from detlora.entrypoints.openai.server_config import ServerConfig
 from detlora.entrypoints.openai.serving_models import ServingModels
 from detlora.lora.request import LoRARequest
+
+logger = logging.getLogger("detlora.server")
 
 
 def random_id(prefix: str) -> str:
@@ -198,6 +201,7 @@ class OpenAIServing:
             async for out in it:
                 parts.append(out)
         self.metrics.observe_finish(parts[-1].outputs[0].finish_reason or "abort")
+        raise_if_failed(parts[-1])
         return merge_outputs(parts)
 
     @staticmethod
@@ -258,6 +262,19 @@ class OpenAIServing:
         return int(time.time())
 
 
+ROW_FAILED = ("the engine stopped this request: its logits were not usable (finish_reason "
+              "'error'); other requests were not affected")
+
+
+def raise_if_failed(out: RequestOutput) -> None:
+    """A row the engine ended with finish_reason "error" fails its request alone (500; the
+    engine's own message, which may name adapter paths, goes to the server log only)."""
+    comp = out.outputs[0]
+    if comp.finish_reason == "error":
+        logger.warning("request %s failed: %s", out.request_id, comp.error)
+        raise OpenAIError(500, ROW_FAILED, code="row_failed")
+
+
 def merge_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
     """Deltas of one request -> its whole output."""
     last = parts[-1]
@@ -298,4 +315,5 @@ async def run_until_disconnect(request: Request, coro: Any) -> Any:
     return None
 
 
-__all__ = ["OpenAIServing", "merge_outputs", "random_id", "run_until_disconnect"]
+__all__ = ["ROW_FAILED", "OpenAIServing", "merge_outputs", "raise_if_failed", "random_id",
+           "run_until_disconnect"]
