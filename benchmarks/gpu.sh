@@ -15,7 +15,7 @@
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
-#                     shrink-chunks
+#                     shrink-chunks | serving (installs .whl/*.whl first: the server's wheels)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels first-cache-hit fused-lora-norm fused-qkv l2-read
 #                     matmul-bounds matmul-regions matmul-split-counts matmul-two-part
@@ -107,6 +107,13 @@ for step in "${steps[@]}"; do
                       --out "$OUT/expand_configs.json" || status=1 ;;
     shrink-chunks) python3 -m benchmarks.suites.shrink_chunks \
                      --out "$OUT/r2r_shrink_chunks.json" || status=1 ;;
+    # The GPU image lacks FastAPI, uvicorn, pydantic and xgrammar: their wheels travel in .whl/
+    # (benchmarks/README.md lists them); installed into /tmp/site, after src on the path.
+    serving) if compgen -G ".whl/*.whl" >/dev/null; then
+               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                 --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+             fi
+             python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
 
     attention-decode-ctas) experiment attention_decode_ctas attention_decode_ctas.json \
                              || status=1 ;;
