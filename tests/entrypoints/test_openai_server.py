@@ -46,6 +46,30 @@ def server(assets):
             "--graceful-timeout", "5"]
     with running_server(model, args, api_key=KEY) as (url, proc):
         yield url, proc
+        # Graceful shutdown: a stream in flight when SIGTERM arrives still ends whole.
+        import signal
+        import threading
+
+        lines: list[str] = []
+
+        def stream() -> None:
+            body = {"prompt": "yes no", "max_tokens": 24, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                lines.extend(r.iter_lines())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.monotonic() + 30
+        while _metric(url, "detlora:num_requests_running") == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=60)
+        proc.wait(timeout=60)
+        assert "data: [DONE]" in lines
+        last = json.loads([x for x in lines if x.startswith("data: {")][-1][6:])
+        assert last["choices"][0]["finish_reason"] == "length"
     assert proc.returncode == 0, server_log(model, url)[-2000:]
 
 
