@@ -19,6 +19,8 @@ from detlora.config import SamplingParams
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
+# One worker runs them all, on one server (pyproject's addopts: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("openai_server")
 KEY = "test-key-123"
 MAX_BYTES = 20_000
 
