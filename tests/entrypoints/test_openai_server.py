@@ -141,6 +141,38 @@ def test_streamed_completion_with_adapter_and_token_prompt(client, offline, asse
     assert usage.completion_tokens == 10 and usage.prompt_tokens == len(prompt)
 
 
+def test_streamed_prompts_times_n_with_stop(client, offline, assets):
+    """Two prompts x n=2, streamed: choice i * n + j is completion j of prompt i; a stop
+    string ends text and stream as offline."""
+    words = [t for t in range(len(offline.tokenizer.hf))
+             if offline.tokenizer.decode([t]).strip().isalpha()]
+    prompts = ["yes no", "A B C"]
+    base = SamplingParams(max_tokens=12, temperature=0.9, seed=21, n=2, ignore_eos=True,
+                          allowed_token_ids=words)
+    free = offline.generate(prompts, base, use_tqdm=False)
+    text = free[1].outputs[1].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    import dataclasses
+
+    sp = dataclasses.replace(base, stop=[stop])
+    ref = offline.generate(prompts, sp, use_tqdm=False)
+    stream = client.completions.create(
+        model=str(assets[0]), prompt=prompts, max_tokens=12, temperature=0.9, seed=21, n=2,
+        stop=[stop], stream=True,
+        extra_body={"ignore_eos": True, "allowed_token_ids": words})
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    for i, r in enumerate(ref):
+        for j, want in enumerate(r.outputs):
+            assert texts[2 * i + j] == want.text and reasons[2 * i + j] == want.finish_reason
+    assert ref[1].outputs[1].finish_reason == "stop"
+
+
 def test_chat_stream_and_logprobs_match_offline(client, offline, assets):
     messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "café?"}]
     sp = SamplingParams(max_tokens=6, temperature=0.9, seed=5, logprobs=3)
