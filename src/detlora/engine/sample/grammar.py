@@ -46,8 +46,8 @@ class GrammarBackend:
         try:
             if spec.json is not None:
                 return c.compile_json_schema(spec.json, any_whitespace=False)
-            if spec.json_object:
-                return c.compile_builtin_json_grammar()
+            if spec.json_object:  # OpenAI's json_object: any JSON object
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:
