@@ -28,10 +28,11 @@ def llm(chat_model):
 PROMPTS = ['{"name": "東京', "yes no maybe", "the state of the world", "A B C"]
 
 
-def _run(engine, prompts, params):
+def _run(llm, prompts, params):
+    engine = llm.engine
     reports: dict[str, list] = {}
     for k, p in enumerate(prompts):
-        engine.add_request(engine_ids(engine, p), params, request_id=str(k), prompt=p)
+        engine.add_request(llm.tokenizer.encode(p), params, request_id=str(k), prompt=p)
     steps = 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -40,20 +41,14 @@ def _run(engine, prompts, params):
     return reports, steps
 
 
-def engine_ids(engine, text):
-    return engine._test_tokenizer.encode(text)
-
-
 @pytest.mark.parametrize("run_ahead", [False, True])
 @pytest.mark.parametrize("kind", list(RequestOutputKind))
 def test_step_reports_add_up_to_generate(llm, kind, run_ahead):
-    engine = llm.engine
-    engine._test_tokenizer = llm.tokenizer
-    engine.run_ahead = run_ahead
+    llm.engine.run_ahead = run_ahead
     sp = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=1, ignore_eos=True,
                         stop=["zz"], output_kind=kind)
     offline = llm.generate(PROMPTS, sp, use_tqdm=False)
-    reports, _ = _run(engine, PROMPTS, sp)
+    reports, _ = _run(llm, PROMPTS, sp)
     assert sorted(reports) == [str(k) for k in range(len(PROMPTS))]
     for k, ref in enumerate(offline):
         outs = reports[str(k)]
@@ -87,8 +82,6 @@ def test_step_reports_add_up_to_generate(llm, kind, run_ahead):
 def test_stop_strings_are_never_streamed(llm):
     """A stop string that completes later is held back: the deltas add up to the text that
     ends before it."""
-    engine = llm.engine
-    engine._test_tokenizer = llm.tokenizer
     words = [t for t in range(len(llm.tokenizer.hf))
              if llm.tokenizer.decode([t]).strip().isalpha()]  # clean text to cut a stop from
     base = SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True,
@@ -96,7 +89,7 @@ def test_stop_strings_are_never_streamed(llm):
     text = llm.generate(PROMPTS[0], base, use_tqdm=False)[0].outputs[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     sp = dataclasses.replace(base, stop=[stop], output_kind=RequestOutputKind.DELTA)
-    reports, _ = _run(engine, PROMPTS[:1], sp)
+    reports, _ = _run(llm, PROMPTS[:1], sp)
     streamed = "".join(o.outputs[0].text for o in reports["0"])
     ref = llm.generate(PROMPTS[0], sp, use_tqdm=False)[0].outputs[0]
     assert ref.finish_reason == "stop" and ref.stop_reason == stop

@@ -67,7 +67,7 @@ def test_constrained_rows_are_batch_invariant(llm):
     js = _sp(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     obj = _sp(structured_outputs=StructuredOutputsParams(json_object=True), max_tokens=12)
     free = _sp(max_tokens=12, top_p=0.9)
-    greedy = SamplingParams(max_tokens=12, logprobs=2)
+    greedy = SamplingParams(max_tokens=12, logprobs=2, temperature=0.0)
     prompts = ["yes no", "the state of", "A B C D", "1 2 3", "café"]
     params = [js, obj, free, greedy, js]
     alone = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params,
@@ -108,6 +108,7 @@ def test_label_logprobs_are_raw_and_batch_invariant(llm):
     assert read(prompts[::-1])[::-1] == alone
     for p, got in zip(prompts, alone, strict=True):
         for label in labels:
-            scored = llm.generate([[*p, label]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+            scored = llm.generate([[*p, label]], SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                               temperature=0.0),
                                   use_tqdm=False)[0].prompt_logprobs[-1]
             assert scored[label] == got[label]

@@ -51,6 +51,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.info.max_model_len
         self.vocab_size = llm.info.vocab_size
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
 
     # ---- request -> engine ----
 
@@ -240,9 +241,13 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def token_text(self, token_id: int, as_ids: bool) -> str:
+        """A logprob entry's token: its text (decoded once per id), or ``token_id:N``."""
         if as_ids or self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.hf.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.hf.decode([token_id])
+        return text
 
     @staticmethod
     def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
