@@ -10,7 +10,7 @@
 # Steps:
 #   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine (its two halves)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
-#                     penalty-engine-tests
+#                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap | attention-tiles
@@ -42,6 +42,17 @@ experiment() {  # experiment NAME OUT-FILE [ARGS...]: python -m benchmarks.exper
   local name=$1 file=$2
   shift 2
   python3 -m "benchmarks.experiments.$name" "$OUT/$file" "$@"
+}
+
+# The GPU image lacks FastAPI, uvicorn, pydantic and xgrammar: their wheels travel in .whl/
+# (benchmarks/README.md lists them) and go into /tmp/site, after src on the path.
+server_wheels() {
+  if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site/xgrammar ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl
+  fi
+  [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  return 0
 }
 
 status=0
@@ -107,13 +118,11 @@ for step in "${steps[@]}"; do
                       --out "$OUT/expand_configs.json" || status=1 ;;
     shrink-chunks) python3 -m benchmarks.suites.shrink_chunks \
                      --out "$OUT/r2r_shrink_chunks.json" || status=1 ;;
-    # The GPU image lacks FastAPI, uvicorn, pydantic and xgrammar: their wheels travel in .whl/
-    # (benchmarks/README.md lists them); installed into /tmp/site, after src on the path.
-    serving) if compgen -G ".whl/*.whl" >/dev/null; then
-               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-                 --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-             fi
+    serving) server_wheels
              python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
+    structured-tests) server_wheels
+                      gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
+                        || status=1 ;;
 
     attention-decode-ctas) experiment attention_decode_ctas attention_decode_ctas.json \
                              || status=1 ;;
