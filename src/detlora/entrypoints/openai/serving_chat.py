@@ -16,6 +16,7 @@ from detlora.entrypoints.openai.protocol import ChatCompletionRequest
 from detlora.entrypoints.openai.serving_completion import _stream_error
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    logprob_value,
     raise_if_failed,
     random_id,
     run_until_disconnect,
@@ -96,7 +97,8 @@ class ServingChat(OpenAIServing):
         for tid, entry in zip(comp.token_ids, comp.logprobs or (), strict=True):
             tok = self.token_text(tid, as_ids)
             content.append({
-                "token": tok, "logprob": entry[tid], "bytes": list(tok.encode()),
+                "token": tok, "logprob": logprob_value(entry[tid]),
+                "bytes": list(tok.encode()),
                 "top_logprobs": [
                     {"token": (t := self.token_text(x, as_ids)), "logprob": lp,
                      "bytes": list(t.encode())}

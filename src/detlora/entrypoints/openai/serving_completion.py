@@ -16,6 +16,7 @@ from detlora.entrypoints.openai.errors import OpenAIError, bad_request
 from detlora.entrypoints.openai.protocol import CompletionRequest
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    logprob_value,
     raise_if_failed,
     random_id,
     run_until_disconnect,
@@ -84,7 +85,7 @@ class ServingCompletion(OpenAIServing):
         for tid, entry in zip(comp.token_ids, comp.logprobs or (), strict=True):
             tok = self.token_text(tid, as_ids)
             tokens.append(tok)
-            token_lps.append(entry[tid])
+            token_lps.append(logprob_value(entry[tid]))
             tops.append({self.token_text(t, as_ids): lp for t, lp in self.top_entries(entry, k)}
                         if k else None)
             offsets.append(offset)

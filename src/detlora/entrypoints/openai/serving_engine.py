@@ -250,10 +250,10 @@ class OpenAIServing:
         return text
 
     @staticmethod
-    def top_entries(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    def top_entries(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:
         """The ``k`` best of an engine logprobs entry (chosen token first, then the top k,
-        the chosen one not repeated)."""
-        items = list(entry.items())
+        the chosen one not repeated), as (token id, logprob) pairs."""
+        items = [(t, logprob_value(v)) for t, v in entry.items()]
         return items[1:] if len(items) > k else sorted(items, key=lambda x: -x[1])
 
     @staticmethod
@@ -280,6 +280,11 @@ def raise_if_failed(out: RequestOutput) -> None:
         raise OpenAIError(500, ROW_FAILED, code="row_failed")
 
 
+def logprob_value(value: Any) -> float:
+    """A logprobs entry's value as a float (a float, or an object with ``.logprob``)."""
+    return value if isinstance(value, float) else float(value.logprob)
+
+
 def merge_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
     """Deltas of one request -> its whole output."""
     last = parts[-1]
@@ -290,7 +295,7 @@ def merge_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
         comp, text="".join(p.outputs[0].text for p in parts),
         token_ids=[t for p in parts for t in p.outputs[0].token_ids], logprobs=lps,
         cumulative_logprob=None if lps is None
-        else sum(next(iter(d.values())) for d in lps))
+        else sum(logprob_value(next(iter(d.values()))) for d in lps))
     return dataclasses.replace(last, outputs=[merged], prompt_logprobs=first.prompt_logprobs,
                                num_cached_tokens=first.num_cached_tokens,
                                label_logprobs=first.label_logprobs)
@@ -320,5 +325,5 @@ async def run_until_disconnect(request: Request, coro: Any) -> Any:
     return None
 
 
-__all__ = ["ROW_FAILED", "OpenAIServing", "merge_outputs", "raise_if_failed", "random_id",
-           "run_until_disconnect"]
+__all__ = ["ROW_FAILED", "OpenAIServing", "logprob_value", "merge_outputs", "raise_if_failed",
+           "random_id", "run_until_disconnect"]
