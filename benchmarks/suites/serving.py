@@ -165,9 +165,14 @@ def offline_part(root: Path, plan: Plan, out: Path) -> None:
     out.write_text(json.dumps({
         "offline_batch64_tok_per_s": tok_s, "alone_differing": alone_differ,
         "fingerprints": [r.fingerprint for r in refs],
-        "refs": [[r.outputs[0].token_ids,
-                  [d[t] for d, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids,
-                                        strict=True)]] for r in refs]}))
+        "refs": [[r.outputs[0].token_ids, _chosen_logprobs(r)] for r in refs]}))
+
+
+def _chosen_logprobs(out: Any) -> list[float]:
+    """Each chosen token's logprob (a float, or an object with ``.logprob``)."""
+    comp = out.outputs[0]
+    return [getattr(d[t], "logprob", d[t]) for d, t in zip(comp.logprobs, comp.token_ids,
+                                                           strict=True)]
 
 
 def _free_port() -> int:

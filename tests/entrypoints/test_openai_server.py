@@ -89,6 +89,11 @@ def offline(assets):
     return LLM(assets[0], device="cpu", enable_lora=True, max_model_len=256)
 
 
+def _lp(value) -> float:
+    """An offline logprobs entry's value (a float, or a vLLM-style object with .logprob)."""
+    return value if isinstance(value, float) else value.logprob
+
+
 def _tox(assets) -> LoRARequest:
     return LoRARequest("tox", 1, str(assets[1][0]))
 
@@ -116,7 +121,7 @@ def test_completion_bits_match_offline(client, offline, assets):
     for choice, want in zip(out.choices, ref.outputs, strict=True):
         assert choice.model_extra["token_ids"] == want.token_ids
         assert choice.text == want.text and choice.finish_reason == want.finish_reason
-        assert choice.logprobs.token_logprobs == [d[t] for d, t in zip(
+        assert choice.logprobs.token_logprobs == [_lp(d[t]) for d, t in zip(
             want.logprobs, want.token_ids, strict=True)]
         assert choice.logprobs.tokens == [f"token_id:{t}" for t in want.token_ids]
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -187,7 +192,7 @@ def test_chat_stream_and_logprobs_match_offline(client, offline, assets):
     choice = out.choices[0]
     assert choice.message.content == ref.text and choice.message.role == "assistant"
     assert [c.logprob for c in choice.logprobs.content] == [
-        d[t] for d, t in zip(ref.logprobs, ref.token_ids, strict=True)]
+        _lp(d[t]) for d, t in zip(ref.logprobs, ref.token_ids, strict=True)]
     assert all(len(c.top_logprobs) == 3 for c in choice.logprobs.content)
     chunks = list(client.chat.completions.create(
         model=str(assets[0]), messages=messages, max_tokens=6, temperature=0.9, seed=5,
@@ -372,7 +377,7 @@ def test_load_outputs_equal_offline_alone(server, offline, assets):
         assert res.fingerprint == ref.fingerprint
         for i, want in enumerate(ref.outputs):
             assert res.choices[i]["token_ids"] == want.token_ids
-            assert res.choices[i]["logprobs"] == [d[t] for d, t in zip(
+            assert res.choices[i]["logprobs"] == [_lp(d[t]) for d, t in zip(
                 want.logprobs, want.token_ids, strict=True)]
     for res, req in zip(results[len(plans):], requests[len(plans):], strict=True):
         body = req.body
