@@ -164,6 +164,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _cmd_study(args: argparse.Namespace) -> int:
+    has_cuda = _prepare_runtime()
+    import torch
+
+    from detlora.study.plan import SECTIONS, StudyPlan
+    from detlora.study.run import run_study
+
+    device = args.device if args.device != "auto" else ("cuda" if has_cuda else "cpu")
+    if device == "cpu" and args.quick:
+        torch.set_num_threads(1)  # tiny matrices: thread fan-out costs more than it gains
+    try:
+        plan = (StudyPlan.quick() if args.quick else StudyPlan.full()).with_overrides(
+            prompts=args.num_prompts, repetitions=args.repetitions, max_tokens=args.max_tokens,
+            seed=args.seed)
+        result = run_study(
+            args.model or [None], out=args.out, adapters=args.adapter or (), quick=args.quick,
+            prompts_file=args.prompts, device=device, tokenizer=args.tokenizer, plan=plan,
+            sections=tuple(args.sections.split(",")) if args.sections else SECTIONS,
+            reductions=tuple(args.reductions.split(",")) if args.reductions else None,
+            progress=False if args.no_progress else None, argv=args.argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"detlora study: {e}", file=sys.stderr)
+        return 2
+    print(f"detlora study: wrote {args.out}/study.json, study.md and figures "
+          f"({result.meta['seconds']} s)")
+    return 1 if result.meta["errors"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="detlora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,11 +258,38 @@ def build_parser() -> argparse.ArgumentParser:
                                      "decisions; adapters as models)")
     add_serve_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    st = sub.add_parser("study", help="the paper's reproducibility study on a model and "
+                                      "adapter: study.json, study.md and figures")
+    st.add_argument("model", nargs="*", metavar="MODEL",
+                    help="model directories ('tiny': the random tiny demo model)")
+    st.add_argument("--adapter", action="append", metavar="DIR",
+                    help="a PEFT adapter directory (repeatable; prompts take them in turn); "
+                         "default: a seeded rank-16 adapter on all seven projections")
+    st.add_argument("--quick", action="store_true",
+                    help="small prompts, repetitions and tokens (about a minute on a CPU)")
+    st.add_argument("--out", default="study-out", metavar="DIR", help="where the report goes")
+    st.add_argument("--prompts", metavar="FILE.jsonl",
+                    help='your prompts: {"prompt": ...} per line, with "answer" (a number) '
+                         'or "tests" (Python asserts) to check')
+    st.add_argument("--tokenizer", metavar="DIR", help="for a model directory without one")
+    st.add_argument("--sections", help="comma-separated subset of: replay, repeat, "
+                                       "cross_batch, decisions, trace, performance")
+    st.add_argument("--reductions", help="comma-separated LoRA reductions to compare (the "
+                                         "levels' defaults always run)")
+    st.add_argument("--num-prompts", type=_int_at_least(1), default=None)
+    st.add_argument("--repetitions", type=_int_at_least(2), default=None)
+    st.add_argument("--max-tokens", type=_int_at_least(1), default=None)
+    st.add_argument("--seed", type=_int_at_least(0), default=None)
+    st.add_argument("--device", default="auto")
+    st.add_argument("--no-progress", action="store_true", help="no progress bar")
+    st.set_defaults(func=_cmd_study)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     return args.func(args)
 
 
