@@ -11,11 +11,15 @@
 #   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine (its two halves)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
+#                     study-tests
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
 #                     shrink-chunks | serving (installs .whl/*.whl first: the server's wheels)
+#                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
+#                     $STUDY_ARGS adds options, e.g. --reductions ordered; installs .whl/*.whl
+#                     first, where matplotlib's wheels give the figures)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels first-cache-hit fused-lora-norm fused-qkv l2-read
 #                     matmul-bounds matmul-regions matmul-split-counts matmul-two-part
@@ -55,6 +59,20 @@ server_wheels() {
   return 0
 }
 
+study() {  # the paper's study on the embedded model and the Llama-3.2-3B shape (random weights)
+  local tmp
+  tmp=$(mktemp -d)
+  python3 -c "import sys; from pathlib import Path; \
+from benchmarks.suites.engine import ModelShape, write_model; \
+write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" &&
+  # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
+  python3 -m detlora.entrypoints.cli study smollm2 "$tmp/Llama-3.2-3B-shape" \
+    --tokenizer smollm2 --out "$OUT/study" --no-progress ${STUDY_ARGS:-}
+  local rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
+
 status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%T))"
@@ -79,6 +97,7 @@ for step in "${steps[@]}"; do
                       || status=1 ;;
     penalty-engine-tests) gpu_tests gpu_tests_penalties.log 25 tests/gpu/test_engine_gpu.py \
                             -k "penal or sync" || status=1 ;;
+    study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
 
     kernels) python3 -m benchmarks.suites.lora_kernels --out "$OUT/lora_kernels.json" \
                || status=1 ;;
@@ -93,6 +112,7 @@ for step in "${steps[@]}"; do
     ops-attention) python3 -m benchmarks.suites.batch_invariant_ops --parts attention \
                      --out "$OUT/batch_invariant_ops_attention.json" || status=1 ;;
     engine) python3 -m benchmarks.suites.engine --out "$OUT/engine.json" || status=1 ;;
+    study) server_wheels; study || status=1 ;;
     prefix-cache) python3 -m benchmarks.suites.prefix_cache --out "$OUT/prefix_caching.json" \
                     || status=1 ;;
     profile) python3 -m benchmarks.suites.profile_engine --modes fast,run_to_run,batch_invariant \

@@ -102,6 +102,43 @@ def run_ahead_cases(d: dict) -> Headline:
             for row in d.get("rows", [])}
 
 
+def study(d: dict) -> Headline:
+    """``detlora study``: per model, generations and decisions changed under atomic and under
+    every deterministic configuration, batch_invariant's cross-batch bits, and the best
+    deterministic configuration's end-to-end time against atomic."""
+    out: Headline = {}
+    for model in d.get("meta", {}).get("model", []):
+        def total(rows: list[dict], key: str) -> str:
+            return f"{sum(r[key] for r in rows)}/{sum(r['comparisons'] for r in rows)}"
+
+        rep = [r for r in d.get("repeat", []) if r["model"] == model]
+        dec = [r for r in d.get("decisions", []) if r["model"] == model and r["check"] == "repeat"]
+        bi = [r for r in d.get("cross_batch", [])
+              if r["model"] == model and r["level"] == "batch_invariant"]
+        h: Headline = {
+            "repeat_changed_atomic": total([r for r in rep if r["reduction"] == "atomic"],
+                                           "changed"),
+            "repeat_bits_changed_deterministic": total(
+                [r for r in rep if r["reduction"] != "atomic"], "bits_changed"),
+            "decisions_changed_atomic": total([r for r in dec if r["reduction"] == "atomic"],
+                                              "changed"),
+            "cross_batch_bits_changed_batch_invariant": total(bi, "bits_changed"),
+        }
+        ratios: dict[str, list[float]] = {}
+        for r in d.get("performance", []):
+            if r["model"] == model and r["reduction"] != "atomic" and "e2e_vs_atomic" in r:
+                ratios.setdefault(f"{r['level']}/{r['reduction']}", []).append(r["e2e_vs_atomic"])
+        if ratios:
+            name, vals = min(ratios.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+            h["best_deterministic_e2e_vs_atomic"] = {name: _r(sum(vals) / len(vals), 4)}
+        out[model] = h
+    return out
+
+
+def _is_study(d: dict) -> bool:
+    return {"repeat", "cross_batch", "decisions", "trace"} <= set(d)
+
+
 def _is_engine(d: dict) -> bool:
     return "throughput" in d and "roofline" in d
 
@@ -130,6 +167,7 @@ def _is_run_ahead_cases(d: dict) -> bool:
 
 
 LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] = (
+    (_is_study, study),
     (_is_engine, engine),
     (_is_lora_kernels, lora_kernels),
     (_is_batch_invariant_ops, batch_invariant_ops),

@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("study", help="the paper's reproducibility study on a model and "
                                       "adapter: study.json, study.md and figures")
     st.add_argument("model", nargs="*", metavar="MODEL",
-                    help="model directories ('tiny': the random tiny demo model)")
+                    help="model directories; 'smollm2' (the default): the embedded "
+                         "SmolLM2-135M-Instruct; 'tiny': the random tiny demo model")
     st.add_argument("--adapter", action="append", metavar="DIR",
                     help="a PEFT adapter directory (repeatable; prompts take them in turn); "
                          "default: a seeded rank-16 adapter on all seven projections")
@@ -272,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--prompts", metavar="FILE.jsonl",
                     help='your prompts: {"prompt": ...} per line, with "answer" (a number) '
                          'or "tests" (Python asserts) to check')
-    st.add_argument("--tokenizer", metavar="DIR", help="for a model directory without one")
+    st.add_argument("--tokenizer", metavar="DIR",
+                    help="the tokenizer of every MODEL directory that has none (a directory "
+                         "or a MODEL name, e.g. smollm2)")
     st.add_argument("--sections", help="comma-separated subset of: replay, repeat, "
                                        "cross_batch, decisions, trace, performance")
     st.add_argument("--reductions", help="comma-separated LoRA reductions to compare (the "

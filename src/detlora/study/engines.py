@@ -5,7 +5,8 @@ LoRA reduction and one engine setting per variant:
 
 * ``main``: CUDA graphs on a GPU, no prefix cache, ``max_num_seqs`` = the study's largest batch;
 * ``chunked``: a token budget per step of ``plan.chunk_tokens``, so prefills come in chunks;
-* ``preempt``: a KV cache for about two sequences, so a batch preempts and recomputes;
+* ``preempt``: a KV cache for a quarter of the largest batch, so a batch preempts and
+  recomputes;
 * ``cache``: the prefix cache on (warm after a first run);
 * ``eager``: no CUDA graphs (the trace observes every layer from Python).
 
@@ -64,8 +65,8 @@ def build_llm(model: StudyModel, setup: EngineSetup, plan: StudyPlan, *, variant
         kw["tokenizer"] = model.tokenizer
     if variant == "chunked":
         kw["max_num_batched_tokens"] = plan.chunk_tokens
-    elif variant == "preempt":
-        kw["num_kv_blocks"] = 2 * per_seq + 1
+    elif variant == "preempt":  # room for a quarter of the largest batch, two at least
+        kw["num_kv_blocks"] = max(2, plan.max_batch // 4) * per_seq + 1
     elif variant == "cache":
         kw["enable_prefix_caching"] = True
     return LLM(model.path, **kw)

@@ -1,9 +1,12 @@
 """How big a study is, and which engine configurations it compares.
 
-``StudyPlan.full()`` is sized for a GPU run of a few minutes per model; ``StudyPlan.quick()``
-for about a minute on a CPU with a tiny model. A configuration is a determinism level with a
-LoRA reduction: ``fast`` with ``atomic`` (its default), ``run_to_run`` with every deterministic
-reduction the engine offers, ``batch_invariant`` with the batch-invariant ones.
+``StudyPlan.full()`` is sized for a GPU run of a few minutes per model (the engines' start-up,
+CUDA graph capture included, is a large part of it: one engine per configuration and three
+variants per level); ``StudyPlan.quick()`` for about a minute on a CPU with a tiny model.
+
+A configuration is a determinism level with a LoRA reduction: ``fast`` with ``atomic`` (its
+default), ``run_to_run`` with every deterministic reduction the engine offers,
+``batch_invariant`` with the batch-invariant ones.
 """
 
 from __future__ import annotations
@@ -59,19 +62,19 @@ def is_level_default(setup: EngineSetup) -> bool:
 class StudyPlan:
     prompts: int = 32  # repeat section: tasks per repetition, all in one batch
     repetitions: int = 5  # repeat and decisions: runs compared with the first
-    max_tokens: int = 96  # repeat and trace: greedy tokens per generation
+    max_tokens: int = 128  # repeat and trace: greedy tokens per generation
     cross_prompts: int = 64  # cross-batch section: prompts run alone and batched
-    cross_tokens: int = 64
+    cross_tokens: int = 32
     cross_batches: tuple[int, ...] = (16, 32, 64)
     comments: int = 64  # decisions: one noul question each
     decision_batches: tuple[int, ...] = (16, 64)  # each compared with the comments alone
     replay_executions: int = 50  # per reduction and shape
     replay_rows: tuple[int, ...] = (1, 16, 64, 256)  # M of the replayed shrinks
-    trace_runs: int = 16  # atomic runs, at most, in the search for a divergence
-    trace_time_s: float = 90.0  # and seconds, at most
+    trace_runs: int = 12  # atomic runs, at most, in the search for a divergence
+    trace_time_s: float = 45.0  # and seconds, at most
     perf_batches: tuple[int, ...] = (1, 16, 64)
     perf_tokens: int = 64
-    perf_trials: int = 3
+    perf_trials: int = 2
     chunk_tokens: int = 64  # the chunked-prefill engine's token budget per step
     max_num_batched_tokens: int = 2048  # the other engines'
     seed: int = 0

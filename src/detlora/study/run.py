@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,16 +80,27 @@ class StudyResult:
 # ----------------------------------------------------------------------------- models
 
 
-def resolve_model(name: str | None, work: Path) -> tuple[str, str, str | None]:
-    """(model directory, label, tokenizer directory or None) for a MODEL argument."""
-    if name is None:
-        raise ValueError("no MODEL given: pass a model directory (or 'tiny', the random tiny "
-                         "model of detlora demo)")
+EMBEDDED = "smollm2"  # the embedded real model, SmolLM2-135M-Instruct (the default MODEL)
+
+
+def resolve_model(name: str | None, work: Path, device: torch.device | None = None
+                  ) -> tuple[str, str, str | None]:
+    """(model directory, label, tokenizer directory or None) for a MODEL argument: None or
+    'smollm2' (the embedded model), 'tiny', or a model directory."""
+    name = name or EMBEDDED
     if name == TINY:
         from detlora.entrypoints.demo import build_demo_assets
 
         model_dir, _ = build_demo_assets(work / "tiny")
         return str(model_dir), "tiny-demo (random weights)", None
+    if name == EMBEDDED:
+        try:
+            from detlora.models.embedded import NAME, smollm2_model_dir
+        except ImportError:
+            raise ValueError("the embedded model (smollm2) is not part of this build: pass a "
+                             "model directory (or 'tiny')") from None
+        on_gpu = device is not None and device.type == "cuda"
+        return str(smollm2_model_dir(torch.bfloat16 if on_gpu else torch.float32)), NAME, None
     path = Path(name)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {name} does not exist")
@@ -96,9 +108,14 @@ def resolve_model(name: str | None, work: Path) -> tuple[str, str, str | None]:
 
 
 def prepare_model(name: str | None, adapters: Sequence[str], work: Path, *,
-                  tokenizer: str | None, seed: int, default_rank: int = 16) -> StudyModel:
-    path, label, tok = resolve_model(name, work)
-    tok = tokenizer or tok
+                  tokenizer: str | None, seed: int, default_rank: int = 16,
+                  device: torch.device | None = None) -> StudyModel:
+    path, label, tok = resolve_model(name, work, device)
+    if tok is None and not has_tokenizer(path) and tokenizer is not None:
+        # A model directory without a tokenizer of its own borrows one (a directory, or a
+        # MODEL name such as smollm2).
+        tok = (tokenizer if Path(tokenizer).is_dir()
+               else resolve_model(tokenizer, work, device)[0])
     spec = ModelSpec.from_dir(path)
     if adapters:
         for a in adapters:
@@ -168,17 +185,25 @@ def _meta(argv: Sequence[str] | None, quick: bool, plan: StudyPlan, sections: Se
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is a dependency on Linux
         triton_version = None
-    commit = None
+    commit = os.environ.get("DETLORA_COMMIT")  # a checkout copied without .git
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        commit = subprocess.run(["git", "-C", str(Path(detlora.__file__).parent), "rev-parse",
-                                 "HEAD"], capture_output=True, text=True, timeout=10,
-                                check=True).stdout.strip() or None
+        commit = commit or subprocess.run(
+            ["git", "-C", str(Path(detlora.__file__).parent), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+    driver = None
+    if device.type == "cuda":
+        with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+            driver = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout.strip().splitlines()[0]
     return {
         "study": "detlora study",
         "command": " ".join(["detlora", "study", *(argv or [])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": "cuda" if device.type == "cuda" else "cpu",
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "driver": driver,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton_version, "detlora": detlora.__version__,
         "commit": commit, "quick": quick, "plan": dataclasses.asdict(plan),
@@ -222,7 +247,7 @@ def run_study(
         with tempfile.TemporaryDirectory(prefix="detlora-study-") as tmp:
             for name in models:
                 model = prepare_model(name, adapters, Path(tmp), tokenizer=tokenizer,
-                                      seed=plan.seed)
+                                      seed=plan.seed, device=dev)
                 _study_model(result, model, plan, sections, reductions, dev, user_tasks,
                              bar, say)
                 _write_json(out, result)
