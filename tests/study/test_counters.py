@@ -9,6 +9,7 @@ import pytest
 from tests.helpers.fake_engine import Call, FakeLLM, default_answer
 
 from detlora import SamplingParams
+from detlora.decisions import DecisionRead, parse_questions
 from detlora.study import cross_batch, decisions, performance, repeat
 from detlora.study.tasks import ARITHMETIC, CODE, Task
 
@@ -92,8 +93,11 @@ def test_decisions_count_changed_probabilities_drift_and_flips():
             x = -x
         return tokens, [x] * 4, text
 
+    question = parse_questions(decisions.QUESTIONS)[0]
+    reads = [DecisionRead(question, p, (7, 8)) for p in PROMPTS]
     llm = FakeLLM(plant)
-    runs = [decisions.read_probabilities(llm, PROMPTS, LORAS, (7, 8)) for _ in range(3)]
+    runs = [decisions.read_probabilities(llm, reads, LORAS) for _ in range(3)]
+    assert llm.batches == [8, 8, 8]
     assert runs[0][1] == pytest.approx(1 / (1 + math.exp(-0.6)))
     truth = [bool(k % 2) for k in range(8)]
     row = decisions.decision_row("m", "fast", "atomic", "repeat", runs[0], runs[1:], truth)
@@ -104,24 +108,8 @@ def test_decisions_count_changed_probabilities_drift_and_flips():
     assert row["mean_abs_drift"] == pytest.approx((drift + abs(runs[1][2] - runs[0][2])) / 16)
     # In calls of 4 the same comments give the same probabilities.
     llm = FakeLLM(lambda c: (default_answer(c.prompt)[0], [0.1] * 4, ""))
-    batched = decisions.read_probabilities(llm, PROMPTS, LORAS, (7, 8), batch=4)
+    batched = decisions.read_probabilities(llm, reads, LORAS, batch=4)
     assert llm.batches == [4, 4] and len(set(batched)) == 1
-
-
-def test_label_token_ids_prefers_known_distinct_labels():
-    vocab = {"yes": 5, "no": 6}
-
-    class Tok:
-        class hf:  # the shape of transformers' tokenizer call
-            unk_token_id = 0
-
-            def __new__(cls, text, add_special_tokens=False):
-                return {"input_ids": [vocab.get(text, 0)]}
-
-    assert decisions.label_token_ids(Tok) == (("yes", "no"), (5, 6))
-    vocab.clear()
-    with pytest.raises(ValueError, match="cannot tell yes from no"):
-        decisions.label_token_ids(Tok)
 
 
 def test_performance_ratios_are_against_atomic_of_the_same_batch():

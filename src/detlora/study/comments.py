@@ -51,7 +51,3 @@ def study_comments(n: int, seed: int = 0) -> list[Comment]:
                                Topic=topic[:1].upper() + topic[1:])
         out.append(Comment(text, toxic))
     return out
-
-
-def decision_prompt(comment: Comment) -> str:
-    return f"{QUESTION} Answer Yes or No.\n\nComment: {comment.text}"

@@ -1,62 +1,51 @@
 """Section 4, structured decisions: a noul (yes/no) question per comment, its probability read
 R times at a fixed batch and across batch sizes (the paper's section 6.4 and Table 2).
 
-``read_probabilities`` is the one place that turns an engine into P(yes): the first reply
-token's logprobs restricted to the two label tokens (``allowed_token_ids``), normalised over
-them. ``changed`` counts comparisons whose probability differs at all, ``flips`` those whose
-decision (P(yes) >= 0.5) differs; drifts are absolute probability differences.
+Each comment is read as ``LLM.decide`` reads it (``detlora.decisions``: the comment as the
+state, "Is this comment toxic?" as a noul question, the first reply token's raw logprobs at
+the labels, renormalised); the study adds the comments to the engine together, so that they
+share a batch. ``changed`` counts comparisons whose probability differs at all, ``flips`` those
+whose decision (P(yes) >= 0.5) differs; drifts are absolute probability differences.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import Any
 
 from detlora import LoRARequest, SamplingParams
-from detlora.study.generation import Engine
+from detlora.decisions import DecisionRead, answer, parse_questions, plan_reads
+from detlora.engine.tokenizer import Tokenizer
+from detlora.study.comments import QUESTION, Comment
 
-# Label pairs in order of preference: the first the tokenizer tells apart (neither unknown).
-LABEL_PAIRS = (("Yes", "No"), ("yes", "no"), (" yes", " no"))
-
-
-def label_token_ids(tokenizer: object,
-                    pairs: Sequence[tuple[str, str]] = LABEL_PAIRS) -> tuple[tuple[str, str],
-                                                                          tuple[int, int]]:
-    """(labels, their first token ids as a reply starts with them): the first pair whose two
-    tokens differ and are known words, else the first whose tokens differ."""
-    hf = tokenizer.hf  # type: ignore[attr-defined]
-    unk = getattr(hf, "unk_token_id", None)
-    usable = []
-    for pair in pairs:
-        ids = [hf(label, add_special_tokens=False)["input_ids"] for label in pair]
-        if not all(ids) or ids[0][0] == ids[1][0]:
-            continue
-        first = (int(ids[0][0]), int(ids[1][0]))
-        if unk not in first:
-            return pair, first
-        usable.append((pair, first))
-    if not usable:
-        raise ValueError(f"no label pair of {[list(p) for p in pairs]} starts with two "
-                         "different tokens: the decision cannot tell yes from no")
-    return usable[0]
+QUESTIONS = {"toxic": {"type": "noul", "criteria": QUESTION}}
 
 
-def read_probabilities(llm: Engine, prompts: Sequence[Sequence[int]],
-                       loras: Sequence[LoRARequest | None], labels: tuple[int, int],
-                       batch: int | None = None) -> list[float]:
-    """P(first label) per prompt, in calls of ``batch`` prompts (None: one call)."""
-    yes, no = labels
-    params = SamplingParams(max_tokens=1, allowed_token_ids=(yes, no), logprobs=2)
-    size = batch or len(prompts)
+def decision_reads(tokenizer: Tokenizer, comments: Sequence[Comment]) -> list[DecisionRead]:
+    """The read of the question about each comment (its prompt and label tokens)."""
+    questions = parse_questions(QUESTIONS)
+    return [plan_reads(tokenizer, c.text, questions)[0] for c in comments]
+
+
+def read_probabilities(llm: Any, reads: Sequence[DecisionRead],
+                       loras: Sequence[LoRARequest | None], batch: int | None = None
+                       ) -> list[float]:
+    """P(yes) per read, ``batch`` reads at a time in the engine (None: all at once)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    size = batch or len(reads)
     out: list[float] = []
-    for lo in range(0, len(prompts), size):
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts[lo: lo + size]],
-                            params, list(loras[lo: lo + size]), use_tqdm=False)
-        for o in outs:
-            top = o.outputs[0].logprobs[0]
-            ly, ln = top.get(yes, -math.inf), top.get(no, -math.inf)
-            m = max(ly, ln)
-            out.append(math.exp(ly - m) / (math.exp(ly - m) + math.exp(ln - m)))
+    for lo in range(0, len(reads), size):
+        part = list(zip(reads[lo: lo + size], loras[lo: lo + size], strict=True))
+        seqs = [engine.add_request(r.prompt_token_ids, params, lora=lr,
+                                   label_token_ids=r.label_token_ids) for r, lr in part]
+        done: dict[str, Any] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+        for (r, _), seq in zip(part, seqs, strict=True):
+            out.append(answer(r, done[seq.request_id].label_logprobs)["noul"])
     return out
 
 

@@ -29,10 +29,15 @@ class Generation:
     num_cached_tokens: int = 0
 
 
+def logprob_value(x: Any) -> float:
+    """A logprob entry's value: a float, or a vLLM-style ``Logprob`` object."""
+    return float(getattr(x, "logprob", x))
+
+
 def _of(out: Any) -> Generation:
     c = out.outputs[0]
-    lps = None if c.logprobs is None else tuple(d[t] for d, t in zip(c.logprobs, c.token_ids,
-                                                                     strict=True))
+    lps = None if c.logprobs is None else tuple(
+        logprob_value(d[t]) for d, t in zip(c.logprobs, c.token_ids, strict=True))
     return Generation(tuple(c.token_ids), lps, c.text, out.num_cached_tokens)
 
 

@@ -193,10 +193,10 @@ def _cross(data: dict) -> list[str]:
 
 def _decisions(data: dict) -> list[str]:
     lines = ["## 4. Structured decisions", "",
-             "\"Is this comment toxic?\" over seeded comments, P(yes) from the first reply "
-             "token's logprobs over the two labels (per model in study.json). `repeat`: R runs "
-             "at a fixed batch against the first; `batch_sizes`: batched runs against each "
-             "comment alone. A "
+             "\"Is this comment toxic?\" over seeded comments, read as `LLM.decide` reads a "
+             "noul question: P(yes) from the first reply token's raw logprobs at the labels "
+             "yes/no, renormalised. `repeat`: R runs at a fixed batch against the first; "
+             "`batch_sizes`: batched runs against each comment alone. A "
              "decision is P(yes) >= 0.5.", ""]
     rows = data["decisions"]
     if not rows:

@@ -44,7 +44,7 @@ from detlora import SamplingParams
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
 from detlora.models.spec import ModelSpec
 from detlora.study import cross_batch, decisions, performance, repeat, shrink_replay, trace
-from detlora.study.comments import decision_prompt, study_comments
+from detlora.study.comments import study_comments
 from detlora.study.default_adapter import adapter_rank, write_default_adapter
 from detlora.study.engines import StudyModel, build_llm, release
 from detlora.study.plan import (
@@ -310,8 +310,9 @@ class _ModelStudy:
         self.tasks = [tasks[i % len(tasks)] for i in range(n)]  # a user's file is cycled
         self.prompts = [encode(self.tok, t.prompt) for t in self.tasks]
         self.comments = study_comments(plan.comments, plan.seed)
-        self.comment_prompts = [encode(self.tok, decision_prompt(c)) for c in self.comments]
-        longest = max(len(p) for p in self.prompts + self.comment_prompts)
+        self.reads = (decisions.decision_reads(self.tok, self.comments)
+                      if "decisions" in sections else [])
+        longest = max(len(p) for p in self.prompts + [r.prompt_token_ids for r in self.reads])
         gen_len = max(plan.max_tokens, plan.cross_tokens, plan.perf_tokens)
         if longest + gen_len > self.spec.max_position_embeddings:
             raise ValueError(f"{self.label}: prompts of up to {longest} tokens plus {gen_len} "
@@ -328,16 +329,12 @@ class _ModelStudy:
         self.grades: dict = {}  # (task, text) -> Outcome, shared by every configuration
         self.alone: dict[str, list] = {}  # level -> the cross-batch prompts run alone
         self.atomic_runs: list = []  # the repeat section's atomic runs, for the trace
-        self.labels: tuple[int, int] | None = None
         info = {"label": self.label, "architecture": self.spec.architecture,
                 "hidden": self.spec.hidden_size, "layers": self.spec.num_layers,
                 "vocab": self.spec.vocab_size, "adapters": len(model.adapters),
                 "max_rank": model.max_rank, "max_model_len": self.model.max_model_len,
                 "longest_prompt": longest,
                 "chat_template": bool(getattr(self.tok.hf, "chat_template", None))}
-        if "decisions" in sections:
-            words, self.labels = decisions.label_token_ids(self.tok)
-            info["decision_labels"] = list(words)
         self.meta["model"].append(self.label)
         self.meta["adapter"][self.label] = model.adapter_label
         self.meta["fingerprint"][self.label] = {}
@@ -420,24 +417,23 @@ class _ModelStudy:
             self.atomic_runs = runs
 
     def decide(self, llm: Any, setup: EngineSetup) -> None:
-        assert self.labels is not None
-        ps, ls, labels = self.comment_prompts, self.comment_loras, self.labels
+        ps, ls = self.reads, self.comment_loras
         truth = [c.toxic for c in self.comments]
         runs = []
         for _ in range(self.plan.repetitions):
             llm.reset_prefix_cache()
-            runs.append(decisions.read_probabilities(llm, ps, ls, labels))
+            runs.append(decisions.read_probabilities(llm, ps, ls))
             self.bar.tick()
         rows = [decisions.decision_row(self.label, setup.level, setup.reduction, "repeat",
                                        runs[0], runs[1:], truth)]
         alone = []
         for p, lr in zip(ps, ls, strict=True):
             llm.reset_prefix_cache()
-            alone += decisions.read_probabilities(llm, [p], [lr], labels)
+            alone += decisions.read_probabilities(llm, [p], [lr])
         batched = []
         for size in self.plan.decision_batches:
             llm.reset_prefix_cache()
-            batched.append(decisions.read_probabilities(llm, ps, ls, labels, size))
+            batched.append(decisions.read_probabilities(llm, ps, ls, size))
         rows.append(decisions.decision_row(self.label, setup.level, setup.reduction,
                                            "batch_sizes", alone, batched, truth))
         self.bar.tick()
