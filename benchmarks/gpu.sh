@@ -19,7 +19,8 @@
 #                     shrink-chunks | serving (installs .whl/*.whl first: the server's wheels)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_ARGS adds options, e.g. --reductions ordered; installs .whl/*.whl
-#                     first, where matplotlib's wheels give the figures)
+#                     first, where matplotlib's wheels give the figures; without them
+#                     `detlora study --render out/study` draws them from study.json)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels first-cache-hit fused-lora-norm fused-qkv l2-read
 #                     matmul-bounds matmul-regions matmul-split-counts matmul-two-part

@@ -60,6 +60,13 @@ def test_quick_study_on_the_tiny_model(tmp_path, capsys):
     assert "97.61%" in md and "CPU run" in md and "no dataset is downloaded" in md
     assert (out / "changes.png").stat().st_size > 1000 and (out / "drift.png").exists()
     assert "wrote" in capsys.readouterr().out
+    # The report and figures come back from study.json alone.
+    (out / "study.md").unlink()
+    (out / "changes.png").unlink()
+    assert main(["study", "--render", str(out)]) == 0
+    assert (out / "study.md").read_text() == md and (out / "changes.png").exists()
+    assert main(["study", "--render", str(out / "nowhere")]) == 2
+    assert main(["study", "tiny", "--render", str(out)]) == 2
 
 
 def test_a_users_model_adapter_and_prompts(tmp_path, llama_dir, llama_adapters):

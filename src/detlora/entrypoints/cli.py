@@ -169,7 +169,20 @@ def _cmd_study(args: argparse.Namespace) -> int:
     import torch
 
     from detlora.study.plan import SECTIONS, StudyPlan
-    from detlora.study.run import run_study
+    from detlora.study.run import render_study, run_study
+
+    if args.render is not None:
+        if args.model:
+            print("detlora study: --render takes no MODEL (it reads DIR/study.json)",
+                  file=sys.stderr)
+            return 2
+        try:
+            render_study(args.render)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"detlora study: {e}", file=sys.stderr)
+            return 2
+        print(f"detlora study: wrote {args.render}/study.md and figures")
+        return 0
 
     device = args.device if args.device != "auto" else ("cuda" if has_cuda else "cpu")
     if device == "cpu" and args.quick:
@@ -286,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--seed", type=_int_at_least(0), default=None)
     st.add_argument("--device", default="auto")
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
+    st.add_argument("--render", metavar="DIR",
+                    help="run nothing: write study.md and the figures again from DIR/study.json")
     st.set_defaults(func=_cmd_study)
     return parser
 

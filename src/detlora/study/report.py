@@ -290,6 +290,7 @@ def write_report(result: Any, out: Path) -> list[str]:
         figures = render_figures(data, out)
     except ImportError:
         figures = []
-        data["meta"]["notes"].append("figures skipped: matplotlib is not installed")
+        data["meta"]["notes"].append("figures skipped: matplotlib is not installed (`detlora "
+                                     "study --render DIR` draws them from study.json)")
     (out / "study.md").write_text(render(data, figures))
     return figures

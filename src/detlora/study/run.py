@@ -206,7 +206,8 @@ def _meta(argv: Sequence[str] | None, quick: bool, plan: StudyPlan, sections: Se
         "driver": driver,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton_version, "detlora": detlora.__version__,
-        "commit": commit, "quick": quick, "plan": dataclasses.asdict(plan),
+        "commit": commit, "quick": quick,
+        "plan": json.loads(json.dumps(dataclasses.asdict(plan))),  # as study.json holds it
         "sections": list(sections), "model": [], "adapter": {}, "fingerprint": {},
         "models": [], "tasks": None, "sandbox": isolation(), "timing": {}, "errors": [],
         "notes": [],
@@ -263,6 +264,26 @@ def run_study(
             "with the batch (sections 3 and 4). Performance is measured on a GPU only.")
     _write_json(out, result)
     write_report(result, out)
+    return result
+
+
+def render_study(out: str | Path) -> StudyResult:
+    """Write study.md and the figures again from ``out``/study.json (say, on a machine with
+    matplotlib, after a GPU run on one without)."""
+    from detlora.study.report import write_report
+
+    path = Path(out) / "study.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    fields = [f.name for f in dataclasses.fields(StudyResult)]
+    if not isinstance(data, dict) or set(data) != set(fields):
+        raise ValueError(f"{path} is not a study result (keys {fields})")
+    result = StudyResult(**data)
+    write_report(result, Path(out))
     return result
 
 
