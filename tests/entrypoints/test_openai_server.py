@@ -314,25 +314,39 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_disconnect_mid_stream_frees_pages(server):
-    url = server[0]
-    body = {"prompt": "the state of the world", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(timeout=60) as c, c.stream(
-            "POST", url + "/v1/completions", json=body,
-            headers={"Authorization": f"Bearer {KEY}"}) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(x.startswith("data: {") for x in got)
-    # The connection is closed mid-stream: the engine drops the request and frees its pages.
-    deadline = time.monotonic() + 30
+def _freed_within(url: str, seconds: float) -> bool:
+    """Whether nothing runs and every KV page is free again within ``seconds``."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if _metric(url, "detlora:num_requests_running") == 0 and \
                 _metric(url, "detlora:kv_cache_usage_perc") == 0.0:
-            break
-        time.sleep(0.2)
-    assert _metric(url, "detlora:num_requests_running") == 0
-    assert _metric(url, "detlora:kv_cache_usage_perc") == 0.0
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    """A client that goes away mid-answer (streamed, or waiting for a whole one) has its
+    request dropped and its pages freed at once: well before its 240 tokens could finish."""
+    url = server[0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "the state of the world", "max_tokens": 240, "ignore_eos": True,
+            "stream": True}
+    assert _freed_within(url, 30)
+    aborted = _metric(url, "detlora:num_aborted_requests")
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body,
+                                                 headers=headers) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: {") for x in got)
+        assert _metric(url, "detlora:num_requests_running") == 1
+    assert _freed_within(url, 5)
+    assert _metric(url, "detlora:num_aborted_requests") == aborted + 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=1.0,
+                   headers=headers)
+    assert _freed_within(url, 5)
+    assert _metric(url, "detlora:num_aborted_requests") == aborted + 2
     assert _metric(url, "detlora:time_to_first_token_seconds_count") > 0
     assert _metric(url, "detlora:generation_tokens_total") > 0
     text = httpx.get(url + "/metrics").text

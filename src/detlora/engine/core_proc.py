@@ -66,6 +66,7 @@ class EngineStats:
     num_kv_blocks: int
     adapter_loads: int
     num_preemptions: int
+    num_aborted: int  # unfinished requests dropped on the front end's word, so far
 
 
 # One request's news in a step: (request_id, new token ids, new logprobs or None, finish reason
@@ -104,6 +105,7 @@ class EngineCore:
         self._last_stats: EngineStats | None = None
         self._stop = False
         self._drain = False
+        self._num_aborted = 0
 
     def stats(self) -> EngineStats:
         e = self.engine
@@ -111,7 +113,7 @@ class EngineCore:
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             num_free_blocks=e.block_manager.num_free, num_kv_blocks=e.num_kv_blocks,
             adapter_loads=e.lora_manager.loads if e.lora_manager is not None else 0,
-            num_preemptions=e.scheduler.num_preemptions)
+            num_preemptions=e.scheduler.num_preemptions, num_aborted=self._num_aborted)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -126,7 +128,11 @@ class EngineCore:
             else:
                 self._accepted.append(req.request_id)
         elif kind == "abort":
-            self.engine.abort_request(list(msg[1]))
+            ids = set(msg[1])
+            sched = self.engine.scheduler
+            self._num_aborted += sum(s.request_id in ids for s in [*sched.waiting,
+                                                                    *sched.running])
+            self.engine.abort_request(list(ids))
         elif kind == "call":
             _, call_id, name, args = msg
             try:

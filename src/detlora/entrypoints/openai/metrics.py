@@ -52,6 +52,8 @@ class ServerMetrics:
                                    "far", registry=r)
         self.preemptions = Gauge("detlora:num_preemptions", "Sequences preempted so far",
                                  registry=r)
+        self.aborted = Gauge("detlora:num_aborted_requests", "Unfinished sequences aborted so "
+                             "far (clients gone, streams left)", registry=r)
         self.info = Gauge("detlora:engine_info", "The engine's fingerprint and level",
                           ["model_name", "fingerprint", "determinism"], registry=r)
         self.info.labels(**labels, fingerprint=llm.info.base_fingerprint,
@@ -81,6 +83,7 @@ class ServerMetrics:
             self.kv_usage.set(1.0 - stats.num_free_blocks / max(1, stats.num_kv_blocks))
             self.adapter_loads.set(stats.adapter_loads)
             self.preemptions.set(stats.num_preemptions)
+            self.aborted.set(stats.num_aborted)
         return generate_latest(self.registry)
 
 
