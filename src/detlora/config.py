@@ -258,7 +258,9 @@ class EngineConfig:
     CPU every level runs the same batch-invariant torch code). ``lora_reduction=None`` means
     the level's default (``DEFAULT_LORA_REDUCTION``); ``max_model_len=None`` the model's
     ``max_position_embeddings``; ``num_kv_blocks=None`` sizes the KV cache from
-    ``gpu_memory_utilization`` on CUDA (from the longest possible batch on the CPU).
+    ``gpu_memory_utilization`` on CUDA (from the longest possible batch on the CPU);
+    ``max_cpu_loras=None`` lets the host cache of adapters hold as many as fit in a share of
+    the host memory available at start (``lora/host_cache.py``).
     ``enable_prefix_caching=None`` turns prefix caching on at batch_invariant only: there a
     cached prefix gives the bits its recompute would, while below it the cached K/V carry the
     bits of the batch that computed them, so a repeated ``generate`` could change its output.
@@ -268,6 +270,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_loras: int = 4
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: sized from it)
     determinism: Determinism | None = None
     lora_reduction: LoRAReduction | None = None
     dtype: str = "auto"
@@ -299,6 +302,10 @@ class EngineConfig:
                              f"{self.enable_prefix_caching!r}")
         _check_int("max_lora_rank", self.max_lora_rank, low=1)
         _check_int("max_loras", self.max_loras, low=1)
+        if self.max_cpu_loras is not None and _check_int(
+                "max_cpu_loras", self.max_cpu_loras, low=1) < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not (

@@ -61,9 +61,9 @@ def test_content_changes_are_still_detected_through_a_symlink(model, tmp_path):
     link.symlink_to(a)
     others = [LoRARequest(f"o{i}", 10 + i, str(write_adapter(tmp_path / f"o{i}", seed=5 + i)))
               for i in range(2)]
-    m = LoRAManager(model)
+    m = LoRAManager(model, max_cpu_loras=2)
     m.add(LoRARequest("a", 1, str(link)))
-    m.activate(others)  # evicts it
+    m.activate(others)  # evicts it, from its slot and from the host cache
     write_adapter(a, seed=99, r=4)  # new weights in place
     with pytest.raises(ValueError, match="changed on disk"):
         m.add(LoRARequest("a", 1, f"{a}/"))

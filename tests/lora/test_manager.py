@@ -62,7 +62,9 @@ def test_lru_eviction_and_identical_reload(model, adapters):
     (s1_again,) = m.activate([r1])  # evicts r2, the LRU now
     assert s1_again == s2 and m.resident() == [3, 1]
     assert _same(_slot_buffers(model, s1_again), before)
-    assert m.loads == 4
+    # r1 came back from the host cache: a copy, not a disk read.
+    assert m.loads == 3 and m.stats.swaps == 4 and m.stats.host_hits == 1
+    assert m.stats.slot_evictions == 2 and m.stats.host_misses == 3
 
 
 def test_batch_adapters_are_never_evicted(model, adapters):
@@ -98,13 +100,15 @@ def test_remove_frees_and_clears(model, adapters):
 
 
 def test_adapter_changed_on_disk(model, adapters, tmp_path):
-    m = LoRAManager(model)
+    m = LoRAManager(model, max_cpu_loras=2)
     r1, r2, r3 = adapters
     m.activate([r1])
-    m.activate([r2, r3])  # evicts r1
+    m.activate([r2, r3])  # evicts r1 from its slot and from the host cache
+    assert m.host.cached() == [2, 3] and m.stats.host_evictions == 1
     write_adapter(tmp_path / "ad1", seed=99, r=4, alpha=8)  # same path, new weights
     with pytest.raises(ValueError, match="changed on disk"):
         m.activate([r1])
+    assert m.resident() == [2, 3] and 1 not in m.host.cached()
 
 
 def test_one_id_one_path(model, adapters):

@@ -311,7 +311,7 @@ from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import matmul as mm
 
 out = []
-for m, n, k in json.loads(sys.argv[1]):
+for m, n, k, *skip in json.loads(sys.argv[1]):
     cfg = mm.matmul_config(m, n, k)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=cfg.k_split.num_chunks > 1,
@@ -320,11 +320,12 @@ for m, n, k in json.loads(sys.argv[1]):
     if not cfg.split_ctas:
         consts.update(GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     else:
-        consts.update(BLOCK_N2=cfg.block_n2)
+        consts.update(BLOCK_N2=cfg.block_n2, SLOT_SKIP=bool(skip), GROUPS_P2=64 if skip else 2)
     fn = mm._mm_split_kernel if cfg.split_ctas else mm._mm_persistent_kernel
     types = {"a": f"tensordesc<bf16[{bm}, {bk}]>", "b": f"tensordesc<bf16[{bn}, {bk}]>",
              "b2": f"tensordesc<bf16[{cfg.block_n2 or bn}, {bk}]>"}
-    ptrs = {"scratch_ptr": "*fp32", "counter_ptr": "*i32"}
+    ptrs = {"scratch_ptr": "*fp32", "counter_ptr": "*i32", "group_adapter_ptr": "*i32",
+            "group_size_ptr": "*i32"}
     kernel, _ = compile_kernel(fn, consts, ptrs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, int_types=types,
                                div16=("K", "N", "stride_am", "stride_bn", "stride_cm",
@@ -345,11 +346,15 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     # prefill (S > 1: 128x128, two accumulators), decode of o_proj (S = 1, 256-wide loads)
     # prefill of qkv (S = 1: 128x256) and batch-64 decode of qkv (6 stages of 64x128 + 64x128).
     # A 1024-row o_proj call runs a two-part tile (128 x (128 + 64), one CTA each).
+    # The in_gemm qkv of Llama-3.1-8B with 64 rank-16 slots, skipping unused slots' tiles, at
+    # batch 1 and 64.
     shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072],
-              [64, 5120, 3072], [1024, 3072, 3072]]
-    decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part = sm90_compile(
-        _SM90_SCRIPT, shapes)
-    for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part):
+              [64, 5120, 3072], [1024, 3072, 3072], [1, 9216, 4096, True],
+              [64, 9216, 4096, True]]
+    (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part, skip_1,
+     skip_64) = sm90_compile(_SM90_SCRIPT, shapes)
+    for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part,
+              skip_1, skip_64):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads
         assert r["smem"] <= 227 * 1024, r

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from detlora.lora.manager import LoRAManager
 
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
+PREFETCH_DEPTH = 2  # adapters read ahead: this many times max_loras, from the waiting queue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ class LLMEngine:
         if config.enable_lora:
             from detlora.lora.manager import LoRAManager
 
-            self.lora_manager = LoRAManager(self.model)
+            self.lora_manager = LoRAManager(self.model, max_cpu_loras=config.max_cpu_loras)
 
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
@@ -368,6 +369,15 @@ class LLMEngine:
         id."""
         self._lora_manager_or_raise().register(request)
 
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Register an adapter and read, check and convert it into the host cache now
+        (vLLM's ``add_lora``), so that its first request waits for no disk read. Raises what
+        reading it raises; True once it is cached."""
+        manager = self._lora_manager_or_raise()
+        manager.register(request)
+        manager.load(request)
+        return True
+
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter (vLLM's ``remove_lora``): its slot is freed, and its id may name
         another directory afterwards. Refused while unfinished requests use it. True if the
@@ -391,6 +401,15 @@ class LLMEngine:
         """Adapter traffic counters (slot and host-cache hits and misses, swaps and their
         time), None without LoRA."""
         return None if self.lora_manager is None else self.lora_manager.stats
+
+    def _prefetch_adapters(self) -> None:
+        """Read the adapters the next admissions will want into the host cache, and copy
+        them into free or idle slots (never waiting for disk; decides no schedule)."""
+        assert self.lora_manager is not None
+        upcoming = self.scheduler.upcoming_adapters(PREFETCH_DEPTH * self.config.max_loras)
+        if upcoming:
+            keep = {s.lora.id for s in self.scheduler.running if s.lora is not None}
+            self.lora_manager.prefetch(upcoming, keep)
 
     def _lora_manager_or_raise(self) -> LoRAManager:
         if self.lora_manager is None:
@@ -454,6 +473,8 @@ class LLMEngine:
         if fed_rows is not None:
             step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
         out = self.runner.execute(step, sched.is_decode_only)
+        if self.lora_manager is not None:
+            self._prefetch_adapters()  # while the step runs
         if step.prompt_rows:
             assert out is not None and out.prompt_hidden is not None
             self._score_prompts(step, seqs, out.prompt_hidden)

@@ -49,6 +49,7 @@ class LLM:
         enable_lora: bool = False,
         max_lora_rank: int = 16,
         max_loras: int = 4,
+        max_cpu_loras: int | None = None,
         determinism: Determinism | str | None = None,
         lora_reduction: LoRAReduction | str | None = None,
         dtype: str = "auto",
@@ -69,7 +70,8 @@ class LLM:
             raise FileNotFoundError(f"model directory {model} does not exist")
         self.config = EngineConfig(
             model=model, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
-            max_loras=max_loras, determinism=determinism, lora_reduction=lora_reduction,
+            max_loras=max_loras, max_cpu_loras=max_cpu_loras, determinism=determinism,
+            lora_reduction=lora_reduction,
             dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -94,6 +96,10 @@ class LLM:
     def register_lora(self, lora_request: LoRARequest) -> None:
         """Register an adapter by path without reading it (``LLMEngine.register_lora``)."""
         self.engine.register_lora(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and read it into the host cache now (``LLMEngine.add_lora``)."""
+        return self.engine.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter; its id may name another directory afterwards."""

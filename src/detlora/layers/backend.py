@@ -44,7 +44,9 @@ class OpBackend:
     ``detlora.ops``)."""
 
     embedding: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # (x, weight, bias, *, slot_columns=None): slot_columns (ops.matmul.SlotColumns) lets the
+    # batch-invariant kernel skip the in_gemm columns of slots no row uses.
+    linear: Callable[..., torch.Tensor]
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -261,8 +263,10 @@ def _shrink_impl(reduction: LoRAReduction, impls: Mapping[str, str], kernel: str
 
 
 def _vendor_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    *, slot_columns: object = None,
 ) -> torch.Tensor:
+    del slot_columns  # cuBLAS computes every column
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -150,8 +150,10 @@ class LinearBase(nn.Module):
         if self.lora is None or lora is None:
             return self.backend.linear(x, self.weight, self.bias), None
         if self.gemm_weight is not None:
-            y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias)
-            y, h = self.lora.split_in_gemm(y_cat, self.weight.shape[0])
+            n = self.weight.shape[0]
+            y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias,
+                                        slot_columns=self.lora.slot_columns(n, lora))
+            y, h = self.lora.split_in_gemm(y_cat, n)
         else:
             y, h = self.lora.shrink_beside(
                 x, lambda: self.backend.linear(x, self.weight, self.bias), lora, self.backend)

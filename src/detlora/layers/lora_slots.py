@@ -17,6 +17,7 @@ from torch import nn
 from detlora.layers.backend import OpBackend
 from detlora.ops.adapter_groups import AdapterGroups
 from detlora.ops.lora_partials import ShrinkPartials
+from detlora.ops.slot_columns import SlotColumns
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,11 @@ class LoRASlots(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.lora_scale[slot] = 0.0
+
+    def slot_columns(self, n: int, groups: AdapterGroups) -> SlotColumns:
+        """``in_gemm``: where each slot's x A^T sits in the GEMM's output (after the ``n``
+        base columns), so the GEMM may skip the slots no row of ``groups`` uses."""
+        return SlotColumns(n, self.num_slices * self.config.max_lora_rank, groups)
 
     def split_in_gemm(self, y_cat: torch.Tensor, n: int) -> tuple[torch.Tensor, ShrinkPartials]:
         """``in_gemm``: y_cat = x [W; A]^T holds x W^T in its first ``n`` columns and x A^T of

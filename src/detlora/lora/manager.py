@@ -3,13 +3,18 @@
 Per step the engine calls ``begin_step(requests)`` with the LoRARequest of every sequence
 (None for no adapter), then ``slot_for(request)`` for each (-1 for None); ``activate`` does
 both at once. ``lora_batch`` turns per-token slots into the ``LoRABatch`` of the
-ForwardBatch. An adapter not yet resident is read from disk, checked, and written into a free
-slot, or into the slot of the least recently used adapter that the step does not need. An
-adapter is checked before anything is evicted for it, so a bad adapter never costs a good one
-its slot.
+ForwardBatch. An adapter that is not resident is copied from the host cache (``host_cache``:
+read from disk, checked and converted once) into a free slot, or into the slot of the least
+recently used adapter that the step does not need. An adapter is read and checked before
+anything is evicted for it, so a bad adapter never costs a good one its slot.
 
-An evicted adapter is read again from disk when it comes back; its content hash must equal the
-one first seen for its id, so the outputs of one id never silently change.
+``prefetch`` looks ahead: it starts disk reads of the adapters the next steps will want and,
+where a slot is free or idle, copies them in while the current step runs (``slot_writer``).
+Where an adapter sits, which others are resident and when it was copied change no bit of any
+output: a slot holds exactly the adapter's values, and every kernel treats slots alike.
+
+An adapter read from disk again (after leaving the host cache) must have the content hash
+first seen for its id, so the outputs of one id never silently change.
 """
 
 from __future__ import annotations
@@ -17,43 +22,68 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from detlora.layers.forward_batch import LoRABatch
 from detlora.lora.adapter import LoRAAdapter
+from detlora.lora.host_cache import (
+    READ_WORKERS,
+    AdapterImage,
+    ConvertedAdapter,
+    HostAdapterCache,
+    ImagePiece,
+    default_max_bytes,
+)
 from detlora.lora.peft_loader import load_peft_adapter
 from detlora.lora.registry import LoRARegistry
 from detlora.lora.request import LoRARequest, shown_path
+from detlora.lora.slot_writer import SlotWriter
 from detlora.lora.stats import LoRAStats
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.ops.adapter_groups import group_tokens
 
 
-@dataclass(frozen=True)
-class _Resident:
-    slot: int
-    request: LoRARequest
-    hash: str
-
-
 class LoRAManager:
-    def __init__(self, model: DecoderForCausalLM) -> None:
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        *,
+        max_cpu_loras: int | None = None,
+        max_cpu_bytes: int | None = None,
+        read_workers: int = READ_WORKERS,
+    ) -> None:
+        """``max_cpu_loras``: adapters the host cache holds (at least ``max_loras``; None: no
+        count limit). ``max_cpu_bytes``: bytes it holds (None: ``default_max_bytes()``, a
+        share of the host memory available now)."""
         if model.lora_config is None:
             raise ValueError(
                 "the model was built without LoRA slots (load_model(..., lora_config=...))")
         self.model = model
         self.max_loras = model.lora_config.max_loras
         self.max_rank = model.lora_config.max_lora_rank
+        if max_cpu_loras is not None and (
+                isinstance(max_cpu_loras, bool) or not isinstance(max_cpu_loras, int)
+                or max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), "
+                             f"got {max_cpu_loras!r}")
         self._linears = model.lora_linears()
         self._target_shapes = model.lora_target_shapes()
-        self._resident: OrderedDict[int, _Resident] = OrderedDict()  # least recent first
-        self._free = list(range(self.max_loras))
+        first = self._linears[0][0].lora
+        self.device = first.lora_a.device
+        self.dtype = first.lora_a.dtype
+        self.stats = LoRAStats()
         self.registry = LoRARegistry()  # id -> its request (path), before or at first load
+        self.host = HostAdapterCache(
+            self._convert, dtype=self.dtype, max_adapters=max_cpu_loras,
+            max_bytes=default_max_bytes() if max_cpu_bytes is None else max_cpu_bytes,
+            pin=self.device.type == "cuda", stats=self.stats, workers=read_workers)
+        self.writer = SlotWriter([lin for lin, _ in self._linears], self.max_loras,
+                                 device=self.device, dtype=self.dtype)
+        self._slots: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recent first
+        self._free = list(range(self.max_loras))
         self._hashes: dict[int, str] = {}  # id -> content hash, fixed at first load
         self._step: frozenset[int] = frozenset()  # ids the current step needs: never evicted
-        self.stats = LoRAStats()
 
     @property
     def loads(self) -> int:
@@ -70,13 +100,25 @@ class LoRAManager:
         """ValueError when ``request``'s id is registered for another path."""
         self.registry.check(request)
 
+    def load(self, request: LoRARequest) -> None:
+        """Read, check and convert an adapter into the host cache now (no slot)."""
+        self._check_path(request)
+        image, _ = self.host.get(request)
+        try:
+            self._check_hash(request, image)
+        finally:
+            self.host.release(image)
+        self.registry.note_loaded(request)
+
     def unregister(self, lora_id: int, *, in_use: Collection[int] = ()) -> bool:
-        """Forget an adapter: its slot is freed and its id may name another path later.
-        ``in_use``: ids that unfinished requests need (refused). True if it was known."""
+        """Forget an adapter: its slot and host image are freed and its id may name another
+        path later. ``in_use``: ids that unfinished requests need (refused). True if it was
+        known."""
         if lora_id in in_use:
             raise ValueError(f"adapter id {lora_id} is in use by unfinished requests: "
                              "abort them first")
         known = self.remove(lora_id)
+        known = self.host.drop(lora_id) or known
         known = self.registry.remove(lora_id) or known
         self._hashes.pop(lora_id, None)
         return known
@@ -85,12 +127,11 @@ class LoRAManager:
 
     def slot_of(self, lora_id: int) -> int | None:
         """The slot of a resident adapter, or None (never loads)."""
-        r = self._resident.get(lora_id)
-        return None if r is None else r.slot
+        return self._slots.get(lora_id)
 
     def resident(self) -> list[int]:
         """Resident adapter ids, least recently used first."""
-        return list(self._resident)
+        return list(self._slots)
 
     def adapter_hash(self, request: LoRARequest | int) -> str:
         """Content hash of an adapter (by request or id), for fingerprints."""
@@ -117,24 +158,22 @@ class LoRAManager:
         self._step = frozenset(ids)
 
     def slot_for(self, request: LoRARequest | None) -> int:
-        """The slot holding ``request``'s adapter (-1 for None), loading it if needed."""
+        """The slot holding ``request``'s adapter (-1 for None), copying it in if needed. Work
+        enqueued afterwards (the step) waits for the copy and is read before the slot is
+        written again."""
         if request is None:
             return -1
         self._check_path(request)
-        r = self._resident.get(request.id)
-        if r is not None:
-            self._resident.move_to_end(request.id)
+        slot = self._slots.get(request.id)
+        if slot is not None:
+            self._slots.move_to_end(request.id)
             self.stats.slot_hits += 1
-            return r.slot
-        start = time.perf_counter()
-        adapter = self._load(request)  # checked before anything is evicted for it
-        slot = self._free.pop(0) if self._free else self._evict(keep=self._step | {request.id})
-        self._write(slot, adapter)
-        self._resident[request.id] = _Resident(slot, request, adapter.hash)
-        self.registry.note_loaded(request)
-        self.stats.slot_misses += 1
-        self.stats.swaps += 1
-        self.stats.swap_seconds += time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            slot = self._copy_in(request, keep=self._step | {request.id})
+            self.stats.slot_misses += 1
+            self.stats.swap_seconds += time.perf_counter() - start
+        self.writer.use([slot])
         return slot
 
     def activate(self, requests: Sequence[LoRARequest | None]) -> list[int]:
@@ -148,42 +187,111 @@ class LoRAManager:
 
     def remove(self, lora_id: int) -> bool:
         """Free an adapter's slot; True if it was resident."""
-        r = self._resident.pop(lora_id, None)
-        if r is None:
+        slot = self._slots.pop(lora_id, None)
+        if slot is None:
             return False
-        self._clear(r.slot)
-        self._free.append(r.slot)
+        self.writer.clear(slot)
+        self._free.append(slot)
         self._free.sort()
         return True
+
+    def prefetch(self, upcoming: Sequence[LoRARequest], keep: Collection[int] = ()) -> int:
+        """Prepare the adapters of the next steps, ``upcoming`` (most urgent first): start
+        reading those not in the host cache on worker threads, and copy those that are cached
+        into free slots, or into slots of adapters outside ``keep`` (the running requests'),
+        the current step and ``upcoming``, while the current step runs. Never waits for disk
+        and never fails: a bad adapter's error comes when a step needs it. Returns how many
+        adapters were copied into slots."""
+        self.host.prefetch([r for r in upcoming if r.id not in self._slots])
+        protected = set(keep) | self._step | {r.id for r in upcoming}
+        copied = 0
+        for request in upcoming:
+            if request.id in self._slots or not self.host.ready(request.id):
+                continue
+            if not self._free and not any(i not in protected for i in self._slots):
+                break
+            start = time.perf_counter()
+            try:
+                self._copy_in(request, keep=protected)
+            except ValueError:
+                continue  # reported when a step asks for it
+            self.stats.prefetch_swaps += 1
+            self.stats.swap_seconds += time.perf_counter() - start
+            copied += 1
+        return copied
 
     def lora_batch(self, token_slots: torch.Tensor, *, validate: bool = True) -> LoRABatch:
         """Per-token slots ([T] ints, -1 = none) grouped once for every layer of a step."""
         return LoRABatch(group_tokens(token_slots, self.max_loras, validate=validate))
 
+    def shutdown(self) -> None:
+        """Stop the host cache's reader threads."""
+        self.host.shutdown()
+
     # ---- internals ----
+
+    def _copy_in(self, request: LoRARequest, keep: Collection[int]) -> int:
+        """Give ``request``'s adapter a slot (free, else the least recently used one outside
+        ``keep``) and start copying it in; the adapter is read and checked first."""
+        image, cached = self.host.get(request)
+        copied = None
+        try:
+            self._check_hash(request, image)
+            slot = self._free.pop(0) if self._free else self._evict(keep)
+            copied = self.writer.write(slot, image)
+        finally:
+            self.host.release(image, copied)
+        self._slots[request.id] = slot
+        self.registry.note_loaded(request)
+        self.stats.swaps += 1
+        if cached:
+            self.stats.host_hits += 1
+        else:
+            self.stats.host_misses += 1
+        return slot
 
     def _check_path(self, req: LoRARequest, step_path: str | None = None) -> None:
         """One id names one adapter directory (its real path: every spelling of it is the same
-        adapter): that of its first successful load or registration, or within a step that
-        of its first request (``step_path``). A failed load pins nothing, so a mistyped path
-        can be corrected under the same id."""
+        adapter): that of its registration or first successful load, or within a step that
+        of its first request (``step_path``). A failed load registers nothing, so a mistyped
+        path can be corrected under the same id."""
         self.registry.check(req)
         known = step_path or req.real_path
         if known != req.real_path:
             raise ValueError(f"adapter id {req.id} was first used for {known!r}, "
                              f"now for {shown_path(req)!r}: one id must name one adapter")
 
-    def _load(self, req: LoRARequest) -> LoRAAdapter:
-        start = time.perf_counter()
-        adapter = load_peft_adapter(req.path, self._target_shapes, self.max_rank)
-        self.stats.disk_seconds += time.perf_counter() - start
-        self._check_fusable(adapter)
-        known = self._hashes.setdefault(req.id, adapter.hash)
-        if known != adapter.hash:
+    def _check_hash(self, req: LoRARequest, image: AdapterImage) -> None:
+        known = self._hashes.setdefault(req.id, image.hash)
+        if known != image.hash:
+            self.host.drop(req.id)
             raise ValueError(f"adapter {req.name!r} (id {req.id}) at {req.path} changed on "
                              "disk since it was first loaded; give the new version a new id")
-        self.stats.disk_loads += 1
-        return adapter
+
+    def _convert(self, req: LoRARequest) -> ConvertedAdapter:
+        """Read and check an adapter and lay it out for this model's slots (runs on the host
+        cache's reader threads)."""
+        adapter = load_peft_adapter(req.path, self._target_shapes, self.max_rank)
+        self._check_fusable(adapter)
+        pieces: list[ImagePiece] = []
+        tensors: list[torch.Tensor] = []
+        scales: list[float] = []
+        offset = 0
+        for index, (linear, names) in enumerate(self._linears):
+            mods = [adapter.modules.get(n) for n in names]
+            present = [m for m in mods if m is not None]
+            scales.append(present[0].scale if present else 0.0)
+            for s, m in enumerate(mods):
+                if m is None:
+                    continue
+                # Each linear's own part (tensor parallelism), in the model dtype.
+                for kind, full, dim in (("a", m.a, 1), ("b", m.b, 0)):
+                    t = linear.shard(full, s, dim).to(self.dtype).contiguous()
+                    shape = (int(t.shape[0]), int(t.shape[1]))
+                    pieces.append(ImagePiece(index, s, kind, m.rank, offset, shape))
+                    tensors.append(t)
+                    offset += t.numel()
+        return ConvertedAdapter(adapter.hash, tuple(pieces), tuple(tensors), tuple(scales))
 
     def _check_fusable(self, adapter: LoRAAdapter) -> None:
         # Fused slices (q/k/v, gate/up) share one scale per slot.
@@ -196,26 +304,10 @@ class LoRAManager:
                 )
 
     def _evict(self, keep: Collection[int]) -> int:
-        for i, r in self._resident.items():  # least recently used first
+        for i, slot in self._slots.items():  # least recently used first
             if i not in keep:
-                del self._resident[i]
+                del self._slots[i]
                 self.stats.slot_evictions += 1
-                return r.slot
+                return slot
         raise ValueError(f"all {self.max_loras} adapter slots hold adapters of the current "
                          "step; call begin_step with every request of the step first")
-
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
-        for linear, names in self._linears:
-            mods = [adapter.modules.get(n) for n in names]
-            present = [m for m in mods if m is not None]
-            scale = present[0].scale if present else 0.0
-            linear.set_lora(
-                slot,
-                [None if m is None else m.a for m in mods],
-                [None if m is None else m.b for m in mods],
-                scale,
-            )
-
-    def _clear(self, slot: int) -> None:
-        for linear, _ in self._linears:
-            linear.clear_lora(slot)

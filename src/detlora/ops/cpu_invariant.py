@@ -29,6 +29,7 @@ import torch
 
 from detlora.ops.adapter_groups import AdapterGroups
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
+from detlora.ops.slot_columns import SlotColumns
 
 ROW_TILE = 16
 KV_BLOCK = 16
@@ -49,8 +50,25 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same semantics as ``detlora.ops.matmul.linear_ref``."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           *, slot_columns: SlotColumns | None = None) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.matmul.linear_ref``. With ``slot_columns`` the base
+    columns and each used slot's are separate fixed-shape products (their bits depend neither
+    on the number of slots nor on where a slot sits); unused slots' columns are zero."""
+    if slot_columns is None:
+        return _linear_columns(x, weight, bias)
+    first, width = slot_columns.first, slot_columns.width
+    y = torch.zeros(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    spans = [(0, first)] + [(first + s * width, first + (s + 1) * width)
+                            for s in sorted(set(slot_columns.groups.token_adapter.tolist()))
+                            if s >= 0]
+    for lo, hi in spans:
+        y[:, lo:hi] = _linear_columns(x, weight[lo:hi], None if bias is None else bias[lo:hi])
+    return y
+
+
+def _linear_columns(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
     y = rows_matmul(x.float(), weight)
     if bias is not None:
         y = y + bias.float()

@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from detlora.ops._runtime import cdiv
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.matmul_workspace import MatmulWorkspace, default_workspace
+from detlora.ops.slot_columns import SlotColumns
 from detlora.ops.tuned_configs import tuned_config
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -73,8 +74,10 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    *, slot_columns: SlotColumns | None = None,
 ) -> torch.Tensor:
+    del slot_columns  # every column is computed
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()
@@ -185,11 +188,13 @@ _GRID_TILES = tuple(
 
 def matmul_config(
     m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
-    num_sms: int = _REF_SMS,
+    num_sms: int = _REF_SMS, *, split_n: int | None = None,
 ) -> MatmulConfig:
     """The tiling for an [M, K] @ [K, N] call (``batch`` of them for bmm).
 
-    ``k_split`` comes from (N, K, dtype) only; M, batch and ``num_sms`` pick tiles and path:
+    ``k_split`` comes from (N, K, dtype) only (``split_n`` in place of N: tiles sized for the
+    columns a call is expected to compute, the bits of the full width); M, batch and
+    ``num_sms`` pick tiles and path:
 
         bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32, then 16, while
                                that gives too few CTAs), 128-256-wide K loads, 4 warps
@@ -205,7 +210,7 @@ def matmul_config(
         fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
                                up to M = 64, persistent above
     """
-    ks = k_split(n, k, dtype)
+    ks = k_split(n if split_n is None else split_n, k, dtype)
     multi = ks.num_chunks > 1
     if dtype == torch.float32:
         # Full-fp32 dots run on FMA units: small tiles, and the same for every M.
@@ -389,16 +394,32 @@ def _store_tile(c_ptr, bias_ptr, y, batch, off_m, off_n, M, N, stride_cb, stride
 
 # Row, chunk and program counts change from call to call: not specializing on them (== 1,
 # divisible by 16) keeps one compiled kernel per tiling instead of several.
-@triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks"])
+@triton.jit
+def _slot_tile_unused(off_n, slot_first, slot_width, group_adapter_ptr, group_size_ptr,
+                      num_groups, TILE_N: tl.constexpr, GROUPS_P2: tl.constexpr):
+    """True when columns [off_n, off_n + TILE_N) are all slot columns and no group with rows
+    has one of their slots (see ``SlotColumns``)."""
+    first = (off_n - slot_first) // slot_width
+    last = (off_n + TILE_N - 1 - slot_first) // slot_width
+    g = tl.arange(0, GROUPS_P2)
+    valid = g < num_groups
+    adapter = tl.load(group_adapter_ptr + g, mask=valid, other=-1)
+    rows = tl.load(group_size_ptr + g, mask=valid, other=0)
+    hit = (rows > 0) & (adapter >= first) & (adapter <= last)
+    return (off_n >= slot_first) & (tl.sum(hit.to(tl.int32), axis=0) == 0)
+
+
+@triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks", "slot_first", "slot_width",
+                               "num_groups"])
 def _mm_split_kernel(
-    a, b, b2, c_ptr, bias_ptr, scratch_ptr, counter_ptr,
-    M, N, K, num_chunks, chunk_blocks,
+    a, b, b2, c_ptr, bias_ptr, scratch_ptr, counter_ptr, group_adapter_ptr, group_size_ptr,
+    M, N, K, num_chunks, chunk_blocks, slot_first, slot_width, num_groups,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn, stride_biasm, stride_biasn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr,
     BLOCK_K: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SLOT_SKIP: tl.constexpr, GROUPS_P2: tl.constexpr,
 ):
     # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
     # scheduled together and the last one finds its partners' partials in L2.
@@ -419,6 +440,12 @@ def _mm_split_kernel(
     t = tile % (m_tiles * n_tiles)
     off_m = (t // n_tiles) * BLOCK_M
     off_n = (t % n_tiles) * (BLOCK_N + BLOCK_N2)
+    if SLOT_SKIP:  # noqa: SIM102 (a constexpr test apart from the runtime one)
+        # Every CTA of the tile (each chunk) decides alike: an unused tile touches nothing,
+        # not even its counter.
+        if _slot_tile_unused(off_n, slot_first, slot_width, group_adapter_ptr,
+                             group_size_ptr, num_groups, BLOCK_N + BLOCK_N2, GROUPS_P2):
+            return
     a_rows, b_cols = _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am,
                                        stride_bb, stride_bn, BLOCK_M, BLOCK_N, TMA)
     if BLOCK_N2 > 0:
@@ -532,11 +559,13 @@ def matmul(
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, *, config: MatmulConfig | None = None,
-    workspace: MatmulWorkspace | None = None,
+    workspace: MatmulWorkspace | None = None, slot_columns: SlotColumns | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K], weight [N, K] (as nn.Linear stores it), bias [N].
 
     Bit-identical to ``matmul(x, weight.T)`` plus the bias in fp32 before the one rounding.
+    ``slot_columns``: columns of adapter slots no row uses may be left unwritten (split path;
+    see ``SlotColumns``).
     """
     x = check_tensor("x", x, ndim=2, dtypes=_DTYPES)
     weight = check_tensor("weight", weight, ndim=2, dtypes=_DTYPES)
@@ -549,7 +578,10 @@ def linear(
     tensors = {"x": x, "weight": weight, "out": out} | ({"bias": bias} if bias is not None
                                                         else {})
     check_same_device(**tensors)
-    _launch(x.unsqueeze(0), weight.t().unsqueeze(0), out.unsqueeze(0), bias, config, workspace)
+    if slot_columns is not None:
+        _check_slot_columns(slot_columns, n, x)
+    _launch(x.unsqueeze(0), weight.t().unsqueeze(0), out.unsqueeze(0), bias, config, workspace,
+            slot_columns)
     return out
 
 
@@ -606,6 +638,19 @@ def reserve_workspace(
     cfg = config or matmul_config(m, n, k, dtype, batch, _num_sms(workspace.device))
     scratch, counters = _workspace_need(cfg, batch, m, n)
     workspace.reserve(scratch, counters)
+
+
+def _check_slot_columns(sc: object, n: int, x: torch.Tensor) -> None:
+    if not isinstance(sc, SlotColumns):
+        raise ValueError(f"slot_columns must be SlotColumns, got {type(sc).__name__}")
+    slots = sc.groups.num_adapters
+    if sc.first < 0 or sc.width < 1 or sc.first + slots * sc.width != n:
+        raise ValueError(f"slot_columns: {slots} slots of {sc.width} columns after column "
+                         f"{sc.first} do not end at the weight's {n} rows")
+    if sc.groups.num_rows != x.shape[0]:
+        raise ValueError(f"slot_columns.groups has {sc.groups.num_rows} rows, x has "
+                         f"{x.shape[0]}")
+    check_same_device(x=x, group_adapter=sc.groups.group_adapter)
 
 
 def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, b_k: int) -> None:
@@ -692,12 +737,25 @@ def _tma_desc(t: torch.Tensor, block: list[int], transpose: bool) -> TensorDescr
 def _launch(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
     config: MatmulConfig | None, workspace: MatmulWorkspace | None,
+    slot_columns: SlotColumns | None = None,
 ) -> None:
     """a [B, M, K] @ b [B, K, N] (+ bias [N] or a bias expanded to [M, N]) into out."""
     batch, m, k = a.shape
     n = b.shape[2]
-    cfg = _check_config(
-        config or matmul_config(m, n, k, a.dtype, batch, _num_sms(a.device)), k, a.dtype)
+    sms = _num_sms(a.device)
+    if config is None and slot_columns is None:
+        config = matmul_config(m, n, k, a.dtype, batch, sms)
+    elif config is None:
+        # The K split of the base columns alone, so no column's bits depend on how many slots
+        # ride along; on the split path, tiles sized for the base and one slot's columns
+        # (what decode with one adapter computes).
+        first = slot_columns.first
+        config = matmul_config(m, n, k, a.dtype, batch, sms, split_n=first)
+        narrow = matmul_config(m, first + slot_columns.width, k, a.dtype, batch, sms,
+                               split_n=first)
+        if config.split_ctas and narrow.split_ctas:
+            config = narrow
+    cfg = _check_config(config, k, a.dtype)
     ks = cfg.k_split
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
 
@@ -744,7 +802,7 @@ def _launch(
         common["num_stages"] = stages
         try:
             _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, common,
-                           workspace)
+                           workspace, slot_columns)
             return
         except OutOfResources:
             if stages <= 1:
@@ -762,7 +820,7 @@ def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
 
 
 def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, common,
-                   workspace):
+                   workspace, slot_columns=None):
     ks = cfg.k_split
     bm, bn = cfg.block_m, cfg.block_n
     # Chunk length in loads (a load may span several of k_split's blocks).
@@ -777,9 +835,18 @@ def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, 
             counters = workspace.counters(counter_numel)
         else:
             scratch = counters = out  # never touched: one chunk stores directly
+        if slot_columns is None:
+            groups_args = (out, out, 0, 1, 0)
+            skip, groups_p2 = False, 2
+        else:
+            g = slot_columns.groups
+            groups_args = (g.group_adapter, g.group_size, slot_columns.first, slot_columns.width,
+                           g.num_groups)
+            skip, groups_p2 = True, max(2, triton.next_power_of_2(g.num_groups))
         _mm_split_kernel[(tiles * ks.num_chunks,)](
-            a_arg, b_arg, b2_arg, out, bias_arg, scratch, counters,
-            m, n, k, ks.num_chunks, chunk_loads, BLOCK_N2=cfg.block_n2, **common,
+            a_arg, b_arg, b2_arg, out, bias_arg, scratch, counters, *groups_args[:2],
+            m, n, k, ks.num_chunks, chunk_loads, *groups_args[2:], BLOCK_N2=cfg.block_n2,
+            SLOT_SKIP=skip, GROUPS_P2=groups_p2, **common,
         )
     else:
         programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)
@@ -792,6 +859,6 @@ def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, 
 
 
 __all__ = [
-    "KSplit", "MatmulConfig", "add_bias_mm", "bmm", "bmm_ref", "k_split", "linear", "linear_ref",
-    "matmul", "matmul_config", "matmul_ref", "reserve_workspace",
+    "KSplit", "MatmulConfig", "SlotColumns", "add_bias_mm", "bmm", "bmm_ref", "k_split",
+    "linear", "linear_ref", "matmul", "matmul_config", "matmul_ref", "reserve_workspace",
 ]

@@ -10,8 +10,13 @@ Policy (one step, a token budget of ``max_num_batched_tokens``):
    fewer than ``max_num_seqs`` run and budget is left. With chunked prefill a prompt longer
    than the remaining budget runs its first part now and the rest in later steps; without it,
    a prompt waits for a step with room for all of it. A sequence whose adapter would make the
-   step use more than ``max_loras`` adapters waits and the next one is considered; one that
-   cannot get pages stops admission (so a long prompt is not starved by short ones). With
+   step use more than ``max_loras`` adapters waits and the next one is considered, so the
+   waiting requests of the adapters already running join them (locality); one that cannot
+   get pages stops admission (so a long prompt is not starved by short ones). A request kept
+   waiting for an adapter slot for ``max_adapter_wait`` schedules is overdue: from then on
+   nothing behind it may take an adapter other than its own (nor join a running one), so
+   the running adapters drain and the next free slot is its own. No request waits for a
+   slot longer than that plus the longest running request. With
    prefix caching a sequence first takes the cached pages of its prefix (``BlockManager``)
    and is given only the tokens after them; one whose next page a running sequence is
    computing waits (keeping its place) until that page is cached; a request for prompt
@@ -28,6 +33,10 @@ from dataclasses import dataclass
 
 from detlora.engine.sched.block_manager import BlockManager
 from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
+
+# Schedules a request may wait for an adapter slot before the running adapters are drained
+# for it (about two waves of 32-token requests).
+MAX_ADAPTER_WAIT = 64
 
 
 @dataclass(frozen=True)
@@ -61,15 +70,21 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         max_loras: int | None = None,
+        max_adapter_wait: int = MAX_ADAPTER_WAIT,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_loras = max_loras
+        if isinstance(max_adapter_wait, bool) or not isinstance(max_adapter_wait, int) \
+                or max_adapter_wait < 0:
+            raise ValueError(f"max_adapter_wait must be an int >= 0, got {max_adapter_wait!r}")
+        self.max_adapter_wait = max_adapter_wait
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_schedules = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -78,7 +93,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def upcoming_adapters(self, limit: int) -> list[object]:
+        """The first ``limit`` distinct adapters of waiting sequences, in queue order, that no
+        running sequence uses: the ones the next admissions will ask for."""
+        running = {s.lora for s in self.running}
+        out: list[object] = []
+        for seq in self.waiting:
+            if len(out) >= limit:
+                break
+            if seq.lora is not None and seq.lora not in running and seq.lora not in out:
+                out.append(seq.lora)
+        return out
+
     def schedule(self) -> SchedulerOutput:
+        self.num_schedules += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
@@ -107,16 +135,21 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         adapters = {s.lora for s in self.running if s.lora is not None}
         skipped: list[Sequence] = []
+        overdue: Sequence | None = None  # the first request kept from a slot too long
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if (
-                self.max_loras is not None
-                and seq.lora is not None
-                and seq.lora not in adapters
-                and len(adapters) >= self.max_loras
-            ):
-                skipped.append(self.waiting.popleft())
-                continue
+            if self.max_loras is not None and seq.lora is not None:
+                if overdue is not None and seq.lora != overdue.lora:
+                    skipped.append(self.waiting.popleft())  # the slot it waits for is not ours
+                    continue
+                if seq.lora not in adapters and len(adapters) >= self.max_loras:
+                    if seq.adapter_wait_since is None:
+                        seq.adapter_wait_since = self.num_schedules
+                    if overdue is None and \
+                            self.num_schedules - seq.adapter_wait_since >= self.max_adapter_wait:
+                        overdue = seq
+                    skipped.append(self.waiting.popleft())
+                    continue
             lookup = self.blocks.enable_caching and seq.params.prompt_logprobs is None
             cached = self.blocks.cached_prefix(seq) if lookup else []
             if lookup and self.blocks.next_page_computing(seq, cached):
@@ -133,6 +166,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, cached, start + n):
                 break
             self.waiting.popleft()
+            seq.adapter_wait_since = None
             if lookup:
                 self.blocks.share(seq, cached)
                 if seq.num_cached_tokens is None:

@@ -64,6 +64,7 @@ class Sequence:
     grammar: object | None = None  # a GrammarMatcher (structured_outputs), at its read tokens
     label_token_ids: tuple[int, ...] | None = None  # raw logprobs wanted at the first output
     label_logprobs: dict[int, float] | None = None  # ... and there they are
+    adapter_wait_since: int | None = None  # schedule() call since which its adapter found no slot
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,186 @@
+"""Copying an adapter image from host memory into a slot of every LoRA linear of the model.
+
+A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices stay zero, as
+``LoRASlots.set_slot`` leaves them) and copies each piece of the image and the scales in. On
+CUDA it is one host-to-device copy of the whole image into a staging buffer and a few batched
+device copies (``torch._foreach_*``), all on a side stream, so the step in flight keeps
+running: the copy waits only for the last step that read the slot's previous adapter, and the
+next step that reads the slot waits for the copy (``wait_ready``). On the CPU everything is
+synchronous. Either way a slot holds exactly the values ``set_slot`` would give it, so a
+slot's content, and every output bit, is the same however and whenever it was written.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from detlora.layers.linear import LinearBase
+from detlora.lora.host_cache import AdapterImage
+
+_VIEW_CACHE = 512  # (slot, layout) entries of destination views kept
+
+
+class SlotWriter:
+    def __init__(self, linears: Sequence[LinearBase], num_slots: int, *,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.linears = list(linears)
+        self.num_slots = num_slots
+        self.device = device
+        self.dtype = dtype
+        self.cuda = device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None
+        self._ready: dict[int, torch.cuda.Event] = {}  # slot -> its copy, not yet waited for
+        self._last_use: dict[int, torch.cuda.Event] = {}  # slot -> after the last step reading it
+        self._used: set[int] = set()  # slots read by work enqueued since the last mark
+        self._dst_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
+        self._src_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
+
+    def write(self, slot: int, image: AdapterImage) -> torch.cuda.Event | None:
+        """Write ``image`` into ``slot``; on CUDA returns an event after the last read of the
+        image's host memory (the caller keeps that memory until then), else None."""
+        if not self.cuda:
+            self._fill(slot, image, image.block.data)
+            return None
+        self._mark_used()
+        stream = self._side_stream()
+        staging = self._staging_for(image.nbytes)
+        with torch.cuda.stream(stream):
+            last = self._last_use.pop(slot, None)
+            if last is not None:
+                stream.wait_event(last)
+            staging[: image.nbytes].copy_(image.block.data[: image.nbytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            self._fill(slot, image, staging)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._ready[slot] = ready
+        return copied
+
+    def clear(self, slot: int) -> None:
+        """Zero ``slot`` (an adapter removed), after every step that reads it."""
+        self.wait_ready([slot])
+        for linear in self.linears:
+            linear.clear_lora(slot)
+        self._last_use.pop(slot, None)
+
+    def use(self, slots: Iterable[int]) -> None:
+        """The step about to be launched reads ``slots``: it waits for their copies, and later
+        copies into them wait for it."""
+        slots = list(slots)
+        self.wait_ready(slots)
+        self._used.update(slots)
+
+    def wait_ready(self, slots: Iterable[int]) -> None:
+        """Work enqueued from now on (the current stream) waits for copies into ``slots``."""
+        if not self.cuda:
+            return
+        current = torch.cuda.current_stream(self.device)
+        for slot in slots:
+            event = self._ready.pop(slot, None)
+            if event is not None:
+                current.wait_event(event)
+
+    # ---- internals ----
+
+    def _mark_used(self) -> None:
+        """Record, once, where the current stream stands: after every step that read the slots
+        used since the last mark."""
+        if not self._used:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        for slot in self._used:
+            self._last_use[slot] = event
+        self._used.clear()
+
+    def _fill(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
+        """Zero the slot, then copy the pieces and scales of ``image`` (laid out in ``src``,
+        bytes) into it, on the current stream."""
+        zero, scale_dst = self._slot_views(slot)
+        torch._foreach_zero_(zero)
+        a_dst, b_dst = self._piece_views(slot, image)
+        a_src, b_src = self._source_views(image, src)
+        if a_dst:
+            torch._foreach_copy_(a_dst, a_src)
+        if b_dst:
+            torch._foreach_copy_(b_dst, b_src)
+        scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
+        torch._foreach_copy_(scale_dst, list(scales.view(torch.float32).split(1)))
+
+    def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        key = ("slot", slot)
+        views = self._dst_views.get(key)
+        if views is None:
+            slots = [linear.lora for linear in self.linears]
+            views = self._remember(self._dst_views, key, (
+                [s.lora_a[slot] for s in slots] + [s.lora_b[slot] for s in slots],
+                [s.lora_scale[slot: slot + 1] for s in slots]))
+        return views
+
+    def _piece_views(self, slot: int, image: AdapterImage) -> tuple[list, list]:
+        key = (slot, image.layout)
+        views = self._dst_views.get(key)
+        if views is None:
+            a_views, b_views = [], []
+            for p in image.pieces:
+                lora = self.linears[p.linear].lora
+                if p.kind == "a":
+                    a_views.append(lora.lora_a[slot, p.slice, : p.rank])
+                else:
+                    lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
+                    b_views.append(lora.lora_b[slot, lo:hi, : p.rank])
+            views = self._remember(self._dst_views, key, (a_views, b_views))
+        else:
+            self._dst_views.move_to_end(key)
+        return views
+
+    def _source_views(self, image: AdapterImage, src: torch.Tensor) -> tuple[list, list]:
+        def build() -> tuple[list, list]:
+            data = src[: image.data_bytes].view(self.dtype)
+            a_views, b_views = [], []
+            for p in image.pieces:
+                view = data[p.offset: p.offset + p.numel].view(p.shape)
+                (a_views if p.kind == "a" else b_views).append(view)
+            return a_views, b_views
+
+        if not self.cuda:  # the image's own memory: nothing to reuse
+            return build()
+        views = self._src_views.get(image.layout)  # views of the staging buffer
+        if views is None:
+            views = self._remember(self._src_views, image.layout, build())
+        return views
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: tuple, value: tuple) -> tuple:
+        cache[key] = value
+        if len(cache) > _VIEW_CACHE:
+            cache.popitem(last=False)
+        return value
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        """The device buffer images are copied into (grown, never shrunk; the side stream
+        orders its reuse)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            if self._staging is not None:
+                # The old buffer may still be read by queued copies: free it after them.
+                self._staging.record_stream(self._side_stream())
+            self._staging = torch.empty(_slot_bytes(self.linears, self.dtype, nbytes),
+                                        dtype=torch.uint8, device=self.device)
+        return self._staging
+
+
+def _slot_bytes(linears: Sequence[LinearBase], dtype: torch.dtype, at_least: int) -> int:
+    """Bytes of one full slot of every linear plus its scales: no image is larger."""
+    elements = sum(lin.lora.lora_a[0].numel() + lin.lora.lora_b[0].numel() for lin in linears)
+    full = -(-elements * dtype.itemsize // 16) * 16 + 4 * len(linears)
+    return max(full, at_least)
