@@ -11,12 +11,13 @@
 #   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine (its two halves)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
-#                     study-tests
+#                     study-tests multi-lora-tests
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
-#                     shrink-chunks | serving (installs .whl/*.whl first: the server's wheels)
+#                     shrink-chunks | multi-lora | serving (installs .whl/*.whl first: the
+#                     server's wheels)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_ARGS adds options, e.g. --reductions ordered; installs .whl/*.whl
 #                     first, where matplotlib's wheels give the figures; without them
@@ -87,7 +88,8 @@ for step in "${steps[@]}"; do
                      --durations=15 || status=1 ;;
     tests-engine) gpu_tests gpu_tests_engine.log 45 tests/gpu/test_engine_gpu.py \
                     tests/gpu/test_models_gpu.py tests/gpu/test_sampling_gpu.py \
-                    tests/gpu/test_demo_gpu.py --durations=15 || status=1 ;;
+                    tests/gpu/test_demo_gpu.py tests/gpu/test_multi_lora_gpu.py \
+                    --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
@@ -99,9 +101,15 @@ for step in "${steps[@]}"; do
     penalty-engine-tests) gpu_tests gpu_tests_penalties.log 25 tests/gpu/test_engine_gpu.py \
                             -k "penal or sync" || status=1 ;;
     study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
+    multi-lora-tests) gpu_tests gpu_tests_multi_lora.log 25 tests/gpu/test_multi_lora_gpu.py \
+                        --durations=10 || status=1 ;;
 
     kernels) python3 -m benchmarks.suites.lora_kernels --out "$OUT/lora_kernels.json" \
                || status=1 ;;
+    # Traffic over 1,000 adapters, the slot-cost sweep and the invariance checks; each part
+    # alone with --parts traffic|slot_cost|invariance.
+    multi-lora) python3 -m benchmarks.suites.multi_lora --out "$OUT/multi_lora.json" \
+                  || status=1 ;;
     kernels-quick) python3 -m benchmarks.suites.lora_kernels --quick \
                      --out "$OUT/lora_kernels_quick.json" || status=1 ;;
     sweep) python3 -m benchmarks.suites.lora_kernels --sweep-only --out "$OUT/lora_sweep.json" \

@@ -138,6 +138,30 @@ def study(d: dict) -> Headline:
 def _is_study(d: dict) -> bool:
     return {"repeat", "cross_batch", "decisions", "trace"} <= set(d)
 
+def multi_lora(d: dict) -> Headline:
+    """Traffic against one adapter per (distribution, max_loras); TPOT at max_loras 64 over
+    max_loras 1 per (model, level, batch); invariance comparisons that differ."""
+    out: Headline = {"vs_single": {f"{r['distribution']}_max_loras_{r['max_loras']}":
+                                   r["vs_single"] for r in d.get("traffic", [])
+                                   if r["distribution"] != "single"}}
+    tpot = {(r["model"], r["level"], r["batch"], r["max_loras"]): r["tpot_ms"]
+            for r in d.get("slot_cost", [])}
+    ratios = {}
+    for (model, level, batch, ml), t in tpot.items():
+        one = tpot.get((model, level, batch, 1))
+        if ml == 64 and one:
+            ratios[f"{model}_{level}_b{batch}"] = _r(t / one)
+    if ratios:
+        out["tpot_64_over_1"] = ratios
+    inv = d.get("invariance", [])
+    out["differing_outputs"] = (f"{sum(r['differing'] for r in inv)}/"
+                                f"{sum(r['comparisons'] for r in inv)}")
+    return out
+
+
+def _is_multi_lora(d: dict) -> bool:
+    return "traffic" in d and "slot_cost" in d
+
 
 def _is_engine(d: dict) -> bool:
     return "throughput" in d and "roofline" in d
@@ -168,6 +192,7 @@ def _is_run_ahead_cases(d: dict) -> bool:
 
 LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] = (
     (_is_study, study),
+    (_is_multi_lora, multi_lora),
     (_is_engine, engine),
     (_is_lora_kernels, lora_kernels),
     (_is_batch_invariant_ops, batch_invariant_ops),

@@ -87,3 +87,41 @@ def test_working_set_larger_than_the_slots(llama_dir, adapters):
     # a slot once (demand or prefetch) and read once (the host cache holds 4).
     assert stats.swaps == 12 and stats.disk_loads == 12
     assert stats.slot_misses + stats.prefetch_swaps == 12
+
+
+def test_running_ahead_while_requests_wait_for_adapter_slots(llama_dir, adapters):
+    """While every waiting request waits for an adapter slot, the engine launches the next
+    decode step before reading the last one (as when nothing waits), with the same bits."""
+    loras = [adapters[i % 6] for i in range(12)]
+    prompts = random_prompts(12, seed=26, hi=10)
+    params = [SamplingParams(max_tokens=3 + k % 5, logprobs=1, stop_token_ids=tuple(range(2, 12)))
+              for k in range(12)]
+    outs, engines = {}, {}
+    for ahead in (False, True):
+        llm = _llm(llama_dir, max_loras=2)
+        llm.engine.run_ahead = ahead
+        outs[ahead] = llm.generate(prompts, params, loras, use_tqdm=False)
+        engines[ahead] = llm.engine
+    bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
+           if not same_outputs(a, b)]
+    assert not bad
+    assert engines[False].num_steps_ahead == 0 and engines[True].num_steps_ahead > 0
+
+
+def test_adapters_copied_into_free_slots_ahead_of_their_step(llama_dir, adapters):
+    """Four sequence slots, eight adapter slots: while four requests run, the next ones'
+    adapters (read into the host cache by add_lora) are copied into the free slots ahead of
+    the steps that admit them; the outputs are those of each request alone."""
+    loras = adapters[:12]
+    prompts = random_prompts(12, seed=27, hi=10)
+    solo = _llm(llama_dir, max_loras=1)
+    alone = [_run(solo, p, r)[0] for p, r in zip(prompts, loras, strict=True)]
+    llm = _llm(llama_dir, max_loras=8, max_num_seqs=4)
+    for r in loras:
+        assert llm.add_lora(r)
+    stats = llm.engine.lora_stats
+    assert stats.disk_loads == 12 and stats.swaps == 0
+    outs = _run(llm, prompts, loras)
+    assert all(same_outputs(a, b) for a, b in zip(outs, alone, strict=True))
+    assert stats.prefetch_swaps > 0 and stats.host_misses == 0 and stats.disk_loads == 12
+    assert stats.slot_hits >= stats.prefetch_swaps  # each prefetched adapter was then used

@@ -513,15 +513,17 @@ class LLMEngine:
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when it is sure to be a decode
-        step of every running sequence: nothing waits, or every sequence slot is taken (so
-        the scheduler admits nobody); every running sequence sampled in ``current`` and is
-        not finished by length there; and the KV pages suffice. A slot that ``current``
-        frees (a stop token the host has not read) is filled one step later than step by
-        step would: batches then differ, never a batch_invariant row's bits."""
+        step of every running sequence: nothing waits, every sequence slot is taken, or every
+        waiting request waits for an adapter slot (so the scheduler admits nobody); every
+        running sequence sampled in ``current`` and is not finished by length there; and the
+        KV pages suffice. A slot that ``current`` frees (a stop token the host has not read)
+        is filled one step later than step by step would: batches then differ, never a
+        batch_invariant row's bits."""
         running = self.scheduler.running
         if (
             not self.run_ahead
-            or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs)
+            or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs
+                and not self.scheduler.waiting_for_adapter_slots())
             or not running
             or len(running) > self.config.max_num_batched_tokens
             # A grammar's next mask needs the token the step in flight samples.

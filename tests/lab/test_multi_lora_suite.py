@@ -1,0 +1,29 @@
+"""suites.multi_lora on the CPU, on a tiny model: the traffic and slot-cost parts run end to end
+and give rows of the results schema; every traffic request of the Zipf run rerun alone gives
+the same bits."""
+
+from dataclasses import replace
+
+from benchmarks.harness.headlines import headline
+from benchmarks.suites.multi_lora import Plan, run
+
+
+def test_tiny_traffic_and_slot_cost():
+    plan = replace(Plan.tiny(), adapters=10, requests=8, slot_max_loras=(2,),
+                   slot_run_to_run_max_loras=(), slot_batches=(2,), traffic_vs_alone=2)
+    result = run(plan, parts=("traffic", "slot_cost"), log=lambda _: None)
+    traffic = result["traffic"]
+    assert [r["distribution"] for r in traffic] == ["single", "working_set_uniform", "zipf",
+                                                    "uniform"]
+    for r in traffic:
+        assert {"model", "adapters", "distribution", "max_loras", "output_tok_per_s",
+                "vs_single"} <= set(r) and r["output_tok_per_s"] > 0
+    assert traffic[0]["vs_single"] == 1.0 and traffic[-1]["adapters"] == 10
+    assert sum(r["swaps"] for r in traffic) > 0
+    (cost,) = result["slot_cost"]
+    assert {"model", "max_loras", "batch", "level", "tpot_ms"} <= set(cost)
+    assert result["invariance"] == [{"check": "zipf_traffic_vs_alone_max_loras_2",
+                                     "comparisons": 2, "differing": 0}]
+    figures = headline({**result, "meta": {}})
+    assert figures["vs_single"]["zipf_max_loras_2"] == traffic[2]["vs_single"]
+    assert figures["differing_outputs"] == "0/2"
