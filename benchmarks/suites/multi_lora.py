@@ -14,15 +14,15 @@ traffic     Qwen3-0.6B shape (Llama layout, random bf16 weights), 1,000 adapters
             order: single, working set, Zipf, uniform (its host cache stays warm between calls).
 slot_cost   Llama-3.1-8B and Llama-3.2-3B shapes (random bf16 weights, tied embeddings), one
             rank-16 adapter on all seven projections in use, max_loras 1, 8, 32, 64
-            (batch_invariant; run_to_run at 1 and 64), batch 1 and 64, 32-token prompts:
-            TPOT = (t(32 tokens) - t(1 token)) / 31 (medians of 3 generate calls), and
-            ``replay_us``: one decode graph replay of that batch (median of 30 CUDA-event
+            (batch_invariant; run_to_run at 1 and 64 for the 8B), batch 1 and 64, 32-token
+            prompts: TPOT = (t(32 tokens) - t(1 token)) / 31 (medians of 3 generate calls),
+            and ``replay_us``: one decode graph replay of that batch (median of 30 CUDA-event
             timings), the step's GPU time without the host.
 invariance  token ids and logprobs compared with == (``differing`` of ``comparisons``): an
             adapter's 8 prompts alone in slot 0 against the same in slot 7 beside 7 others,
             after an eviction (copied back from host memory), after leaving the host cache
             (read from disk again), with 63 others resident at max_loras 64, and slot 0 against
-            slot 7 at run_to_run (the same batch); 32 requests of the Zipf traffic run alone
+            slot 7 at run_to_run (the same batch); 16 requests of the Zipf traffic run alone
             afterwards against their outputs in it; the Zipf run at max_loras 8 against 32.
 
     {"meta": {...}, "traffic": [{"model", "adapters", "distribution", "max_loras",
@@ -78,11 +78,11 @@ class Plan:
     slot_models: tuple[tuple[str, ModelShape], ...] = (("Llama-3.1-8B", LLAMA_8B),
                                                        ("Llama-3.2-3B", LLAMA_3B))
     slot_max_loras: tuple[int, ...] = (1, 8, 32, 64)
-    slot_run_to_run_max_loras: tuple[int, ...] = (1, 64)
+    slot_run_to_run_max_loras: tuple[int, ...] = (1, 64)  # for the first model only
     slot_batches: tuple[int, ...] = (1, 64)
     trials: int = 3
     invariance_prompts: int = 8
-    traffic_vs_alone: int = 32
+    traffic_vs_alone: int = 16
     device: str = "auto"
 
     @classmethod
@@ -297,7 +297,8 @@ def slot_cost(root: Path, plan: Plan, log: Callable[[str], None]) -> list[dict[s
         lora = LoRARequest("slot", 1, str(root / f"slot_{name}_adapter"))
         prompts = _prompts(max(plan.slot_batches), plan.prompt_len, shape.vocab, seed=2)
         configs = [("batch_invariant", ml) for ml in plan.slot_max_loras]
-        configs += [("run_to_run", ml) for ml in plan.slot_run_to_run_max_loras]
+        if name == plan.slot_models[0][0]:
+            configs += [("run_to_run", ml) for ml in plan.slot_run_to_run_max_loras]
         for level, ml in configs:
             t0 = time.perf_counter()
             kv = None if plan.device == "cpu" else max(plan.slot_batches) * -(

@@ -44,7 +44,7 @@ def _cache(model, **kw) -> tuple[HostAdapterCache, LoRAStats]:
     manager = LoRAManager(model, max_cpu_loras=4)
     stats = LoRAStats()
     args = dict(dtype=torch.float32, max_adapters=None, max_bytes=None, pin=False, stats=stats)
-    return HostAdapterCache(manager._convert, **{**args, **kw}), stats
+    return HostAdapterCache(manager.convert, **{**args, **kw}), stats
 
 
 def test_read_once_then_cached(adapters):
@@ -89,7 +89,7 @@ def test_prefetch_reads_on_worker_threads(adapters):
 
     def convert(req):
         seen.append(threading.current_thread().name)
-        return manager._convert(req)
+        return manager.convert(req)
 
     stats = LoRAStats()
     cache = HostAdapterCache(convert, dtype=torch.float32, max_adapters=None, max_bytes=None,
@@ -125,3 +125,22 @@ def test_drop_discards_the_image(adapters):
 
 def test_available_host_memory_is_positive():
     assert available_host_memory() > 0
+
+
+def test_a_dropped_manager_is_freed_without_the_cycle_collector(adapters):
+    """The reader threads hold the converter, not the manager: dropping the manager frees it
+    (and its model) at once, even after reads ran on those threads."""
+    import gc
+    import weakref
+
+    manager = LoRAManager(tiny_model())
+    manager.prefetch(adapters[:2])
+    for r in adapters[:2]:
+        manager.load(r)
+    ref = weakref.ref(manager)
+    gc.disable()
+    try:
+        del manager
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -26,7 +26,7 @@ BATCH_DEPENDENT = [
     (softmax._chosen_logprob_kernel, {"stats_plane"}, set()),
     (rms_norm._rms_norm_kernel, {"n_rows"}, set()),
     (rms_norm._fused_add_rms_norm_kernel, {"n_rows"}, set()),
-    (matmul._mm_split_kernel, {"M"}, set()),
+    (matmul._mm_split_kernel, {"M", "num_groups"}, {"group_adapter_ptr", "group_size_ptr"}),
     (matmul._mm_persistent_kernel, {"M"}, set()),
     (lora_shrink._tree_reduce_kernel, {"M", "stride_ps"}, set()),
 ]

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from detlora.layers.forward_batch import LoRABatch
+from detlora.layers.linear import LinearBase
 from detlora.lora.adapter import LoRAAdapter
 from detlora.lora.host_cache import (
     READ_WORKERS,
@@ -74,8 +76,12 @@ class LoRAManager:
         self.dtype = first.lora_a.dtype
         self.stats = LoRAStats()
         self.registry = LoRARegistry()  # id -> its request (path), before or at first load
+        # The converter, not the manager, goes to the reader threads: no reference cycle
+        # keeps the model alive once the engine is dropped.
+        self.convert = AdapterConverter(tuple(self._linears), self._target_shapes,
+                                        self.max_rank, self.dtype)
         self.host = HostAdapterCache(
-            self._convert, dtype=self.dtype, max_adapters=max_cpu_loras,
+            self.convert, dtype=self.dtype, max_adapters=max_cpu_loras,
             max_bytes=default_max_bytes() if max_cpu_bytes is None else max_cpu_bytes,
             pin=self.device.type == "cuda", stats=self.stats, workers=read_workers)
         self.writer = SlotWriter([lin for lin, _ in self._linears], self.max_loras,
@@ -268,23 +274,41 @@ class LoRAManager:
             raise ValueError(f"adapter {req.name!r} (id {req.id}) at {req.path} changed on "
                              "disk since it was first loaded; give the new version a new id")
 
-    def _convert(self, req: LoRARequest) -> ConvertedAdapter:
-        """Read and check an adapter and lay it out for this model's slots (runs on the host
-        cache's reader threads)."""
-        adapter = load_peft_adapter(req.path, self._target_shapes, self.max_rank)
+    def _evict(self, keep: Collection[int]) -> int:
+        for i, slot in self._slots.items():  # least recently used first
+            if i not in keep:
+                del self._slots[i]
+                self.stats.slot_evictions += 1
+                return slot
+        raise ValueError(f"all {self.max_loras} adapter slots hold adapters of the current "
+                         "step; call begin_step with every request of the step first")
+
+
+@dataclass(frozen=True)
+class AdapterConverter:
+    """Reads and checks an adapter and lays it out for a model's slots (on the host cache's
+    reader threads): per linear its own part of A and B (tensor parallelism), in the model
+    dtype, and one scale."""
+
+    linears: tuple[tuple[LinearBase, tuple[str, ...]], ...]
+    target_shapes: Mapping[str, tuple[int, int]]
+    max_rank: int
+    dtype: torch.dtype
+
+    def __call__(self, req: LoRARequest) -> ConvertedAdapter:
+        adapter = load_peft_adapter(req.path, self.target_shapes, self.max_rank)
         self._check_fusable(adapter)
         pieces: list[ImagePiece] = []
         tensors: list[torch.Tensor] = []
         scales: list[float] = []
         offset = 0
-        for index, (linear, names) in enumerate(self._linears):
+        for index, (linear, names) in enumerate(self.linears):
             mods = [adapter.modules.get(n) for n in names]
             present = [m for m in mods if m is not None]
             scales.append(present[0].scale if present else 0.0)
             for s, m in enumerate(mods):
                 if m is None:
                     continue
-                # Each linear's own part (tensor parallelism), in the model dtype.
                 for kind, full, dim in (("a", m.a, 1), ("b", m.b, 0)):
                     t = linear.shard(full, s, dim).to(self.dtype).contiguous()
                     shape = (int(t.shape[0]), int(t.shape[1]))
@@ -295,19 +319,10 @@ class LoRAManager:
 
     def _check_fusable(self, adapter: LoRAAdapter) -> None:
         # Fused slices (q/k/v, gate/up) share one scale per slot.
-        for _, names in self._linears:
+        for _, names in self.linears:
             scales = {adapter.modules[n].scale for n in names if n in adapter.modules}
             if len(scales) > 1:
                 raise ValueError(
                     f"{adapter.path}: modules {list(names)} are fused in the engine and need "
                     f"one scale (alpha/r), but rank_pattern/alpha_pattern give {sorted(scales)}"
                 )
-
-    def _evict(self, keep: Collection[int]) -> int:
-        for i, slot in self._slots.items():  # least recently used first
-            if i not in keep:
-                del self._slots[i]
-                self.stats.slot_evictions += 1
-                return slot
-        raise ValueError(f"all {self.max_loras} adapter slots hold adapters of the current "
-                         "step; call begin_step with every request of the step first")

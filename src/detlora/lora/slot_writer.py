@@ -38,6 +38,8 @@ class SlotWriter:
         self._used: set[int] = set()  # slots read by work enqueued since the last mark
         self._dst_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
         self._src_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
+        if self.cuda:  # now, so that the KV cache is sized with it allocated
+            self._staging_for(0)
 
     def write(self, slot: int, image: AdapterImage) -> torch.cuda.Event | None:
         """Write ``image`` into ``slot``; on CUDA returns an event after the last read of the

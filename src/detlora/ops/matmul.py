@@ -410,7 +410,8 @@ def _slot_tile_unused(off_n, slot_first, slot_width, group_adapter_ptr, group_si
 
 
 @triton.jit(do_not_specialize=["M", "num_chunks", "chunk_blocks", "slot_first", "slot_width",
-                               "num_groups"])
+                               "num_groups"],
+            do_not_specialize_on_alignment=["group_adapter_ptr", "group_size_ptr"])
 def _mm_split_kernel(
     a, b, b2, c_ptr, bias_ptr, scratch_ptr, counter_ptr, group_adapter_ptr, group_size_ptr,
     M, N, K, num_chunks, chunk_blocks, slot_first, slot_width, num_groups,
@@ -842,7 +843,9 @@ def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, 
             g = slot_columns.groups
             groups_args = (g.group_adapter, g.group_size, slot_columns.first, slot_columns.width,
                            g.num_groups)
-            skip, groups_p2 = True, max(2, triton.next_power_of_2(g.num_groups))
+            # Sized for the most groups the slots allow, not this call's count: one compiled
+            # kernel per engine, whatever the batch.
+            skip, groups_p2 = True, max(2, triton.next_power_of_2(g.num_adapters + 1))
         _mm_split_kernel[(tiles * ks.num_chunks,)](
             a_arg, b_arg, b2_arg, out, bias_arg, scratch, counters, *groups_args[:2],
             m, n, k, ks.num_chunks, chunk_loads, *groups_args[2:], BLOCK_N2=cfg.block_n2,
