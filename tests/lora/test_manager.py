@@ -189,3 +189,24 @@ def test_begin_step_and_slot_for(model, adapters):
 def test_adapter_hash_of_an_unknown_adapter(model, adapters):
     with pytest.raises(ValueError, match="never been loaded"):
         LoRAManager(model).adapter_hash(adapters[0])
+
+
+def test_a_write_waits_only_for_launched_steps(model, adapters):
+    """The slot writer marks a slot's last use once its step is launched (the next
+    begin_step or prefetch), never while the step is being prepared; a slot the step being
+    prepared reads cannot be written."""
+    m = LoRAManager(model)
+    w = m.writer
+    r1, r2, r3 = adapters
+    s1, s2 = m.activate([r1, r2])
+    image, _ = m.host.get(r1)
+    with pytest.raises(ValueError, match="read by the step being prepared"):
+        w.write(s1, image)
+    m.host.release(image)
+    assert w.marks == 0 and not w._last_use  # nothing launched yet
+    m.begin_step([r3, r2])  # the first step is launched now
+    m.slot_for(r3)  # evicts r1: its write marks the launched step's slots first
+    assert w.marks == 1 and w._last_use == {s2: 1}  # s1 was just rewritten
+    m.slot_for(r2)
+    m.prefetch([])  # launched: s1 (r3) and s2 wait for this step before any later write
+    assert w._in_step == set() and w._used == {s1, s2}

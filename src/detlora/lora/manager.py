@@ -149,7 +149,9 @@ class LoRAManager:
     # ---- slot assignment ----
 
     def begin_step(self, requests: Sequence[LoRARequest | None]) -> None:
-        """Declare the adapters of the coming step: none of them will be evicted by it."""
+        """Declare the adapters of the coming step: none of them will be evicted by it. (The
+        step before it has been launched by now.)"""
+        self.writer.launched()
         paths: dict[int, str] = {}
         for req in requests:
             if req is None:
@@ -205,9 +207,11 @@ class LoRAManager:
         """Prepare the adapters of the next steps, ``upcoming`` (most urgent first): start
         reading those not in the host cache on worker threads, and copy those that are cached
         into free slots, or into slots of adapters outside ``keep`` (the running requests'),
-        the current step and ``upcoming``, while the current step runs. Never waits for disk
+        the current step and ``upcoming``, while the current step runs (call it once the step
+        is launched). Never waits for disk
         and never fails: a bad adapter's error comes when a step needs it. Returns how many
         adapters were copied into slots."""
+        self.writer.launched()  # the step prepared last is enqueued: its slots are marked
         self.host.prefetch([r for r in upcoming if r.id not in self._slots])
         protected = set(keep) | self._step | {r.id for r in upcoming}
         copied = 0

@@ -4,8 +4,10 @@ A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices sta
 ``LoRASlots.set_slot`` leaves them) and copies each piece of the image and the scales in. On
 CUDA it is one host-to-device copy of the whole image into a staging buffer and a few batched
 device copies (``torch._foreach_*``), all on a side stream, so the step in flight keeps
-running: the copy waits only for the last step that read the slot's previous adapter, and the
-next step that reads the slot waits for the copy (``wait_ready``). On the CPU everything is
+running: the copy waits only for the last launched step that read the slot's previous adapter
+(``use`` while a step is prepared, ``launched`` once it is enqueued), and the next step that
+reads the slot waits for the copy (``wait_ready``). A slot the step being prepared reads is
+never written. On the CPU everything is
 synchronous. Either way a slot holds exactly the values ``set_slot`` would give it, so a
 slot's content, and every output bit, is the same however and whenever it was written.
 """
@@ -34,8 +36,12 @@ class SlotWriter:
         self._stream: torch.cuda.Stream | None = None
         self._staging: torch.Tensor | None = None
         self._ready: dict[int, torch.cuda.Event] = {}  # slot -> its copy, not yet waited for
-        self._last_use: dict[int, torch.cuda.Event] = {}  # slot -> after the last step reading it
-        self._used: set[int] = set()  # slots read by work enqueued since the last mark
+        # slot -> a mark after the last launched step that reads it (a CUDA event; on the
+        # CPU, where everything is synchronous, the mark's number, for tests)
+        self._last_use: dict[int, object] = {}
+        self._used: set[int] = set()  # read by launched work not yet marked
+        self._in_step: set[int] = set()  # read by the step being prepared (not launched)
+        self.marks = 0
         self._dst_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
         self._src_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
         if self.cuda:  # now, so that the KV cache is sized with it allocated
@@ -44,15 +50,18 @@ class SlotWriter:
     def write(self, slot: int, image: AdapterImage) -> torch.cuda.Event | None:
         """Write ``image`` into ``slot``; on CUDA returns an event after the last read of the
         image's host memory (the caller keeps that memory until then), else None."""
+        if slot in self._in_step:
+            raise ValueError(f"slot {slot} is read by the step being prepared: not writable")
+        self._mark_used()
         if not self.cuda:
+            self._last_use.pop(slot, None)
             self._fill(slot, image, image.block.data)
             return None
-        self._mark_used()
         stream = self._side_stream()
         staging = self._staging_for(image.nbytes)
         with torch.cuda.stream(stream):
             last = self._last_use.pop(slot, None)
-            if last is not None:
+            if isinstance(last, torch.cuda.Event):
                 stream.wait_event(last)
             staging[: image.nbytes].copy_(image.block.data[: image.nbytes], non_blocking=True)
             copied = torch.cuda.Event()
@@ -71,11 +80,17 @@ class SlotWriter:
         self._last_use.pop(slot, None)
 
     def use(self, slots: Iterable[int]) -> None:
-        """The step about to be launched reads ``slots``: it waits for their copies, and later
-        copies into them wait for it."""
+        """The step being prepared reads ``slots``: it waits for their copies, and copies into
+        them wait for it once it is ``launched``."""
         slots = list(slots)
         self.wait_ready(slots)
-        self._used.update(slots)
+        self._in_step.update(slots)
+
+    def launched(self) -> None:
+        """The step prepared since the last call is enqueued: the next write marks where the
+        stream stands after it, for the slots it reads."""
+        self._used |= self._in_step
+        self._in_step.clear()
 
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Work enqueued from now on (the current stream) waits for copies into ``slots``."""
@@ -90,14 +105,18 @@ class SlotWriter:
     # ---- internals ----
 
     def _mark_used(self) -> None:
-        """Record, once, where the current stream stands: after every step that read the slots
-        used since the last mark."""
+        """Record, once, where the current stream stands: after every launched step that read
+        the slots used since the last mark (never after the step being prepared: its work is
+        not enqueued yet, and its slots are not writable)."""
         if not self._used:
             return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        self.marks += 1
+        mark: object = self.marks
+        if self.cuda:
+            mark = torch.cuda.Event()
+            mark.record(torch.cuda.current_stream(self.device))
         for slot in self._used:
-            self._last_use[slot] = event
+            self._last_use[slot] = mark
         self._used.clear()
 
     def _fill(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
