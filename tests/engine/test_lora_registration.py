@@ -9,7 +9,7 @@ from detlora.config import SamplingParams
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
-SP = SamplingParams(max_tokens=4, logprobs=0, ignore_eos=True)
+SP = SamplingParams(max_tokens=4, logprobs=0, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from detlora.config import SamplingParams
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
-SP = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)
+SP = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True, temperature=0.0)
 TARGETS = [None, ["q_proj", "v_proj"], ["o_proj", "gate_proj", "down_proj"]]
 
 
@@ -94,8 +94,8 @@ def test_running_ahead_while_requests_wait_for_adapter_slots(llama_dir, adapters
     decode step before reading the last one (as when nothing waits), with the same bits."""
     loras = [adapters[i % 6] for i in range(12)]
     prompts = random_prompts(12, seed=26, hi=10)
-    params = [SamplingParams(max_tokens=3 + k % 5, logprobs=1, stop_token_ids=tuple(range(2, 12)))
-              for k in range(12)]
+    params = [SamplingParams(max_tokens=3 + k % 5, logprobs=1, temperature=0.0,
+                             stop_token_ids=tuple(range(2, 12))) for k in range(12)]
     outs, engines = {}, {}
     for ahead in (False, True):
         llm = _llm(llama_dir, max_loras=2)

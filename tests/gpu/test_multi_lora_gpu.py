@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 512, 256, 2, 4, 2, 512
 HEAD_DIM = HIDDEN // HEADS
-SP = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True)
+SP = SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True, temperature=0.0)
 TARGET_SETS = [("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                ("q_proj", "v_proj"), ("o_proj", "gate_proj", "down_proj")]
 RANKS = (4, 8, 16)
