@@ -27,21 +27,21 @@ def test_a_planted_difference_is_found_traced_and_replayed(llama_dir, llama_adap
     target = llm.engine.model.layers[0].mlp.gate_up_proj.lora
     saved: dict[str, torch.Tensor] = {}
 
-    def before_run(prompt: int, run: int) -> None:
+    def before_run(run: int) -> None:
         if "a" in saved:
             target.lora_a.copy_(saved.pop("a"))
-        if run == 1:  # the second run of a prompt: layer 0's gate|up shrink changes
+        if run == 2:  # the third repetition: layer 0's gate|up shrink changes
             saved["a"] = target.lora_a.clone()  # the adapter is loaded by now
             target.lora_a.mul_(1.5)
 
     # Without a plant, nothing diverges on the CPU.
-    found, runs = trace.find_divergence(llm, PROMPTS, loras, [0], params, max_runs=2)
+    found, runs = trace.find_divergence(llm, PROMPTS, loras, params, repetitions=2)
     assert found is None and runs == 2
-    div, runs = trace.find_divergence(llm, PROMPTS, loras, [0, 1, 2], params, max_runs=6,
+    div, runs = trace.find_divergence(llm, PROMPTS, loras, params, repetitions=4,
                                       before_run=before_run)
-    before_run(0, 0)  # restore
+    before_run(0)  # restore
     assert div is not None, "a 1.5x LoRA A in layer 0 should change some token"
-    assert div.pair == (0, 1) and runs == 3 + div.prompt_index + 1
+    assert div.pair == (0, 2) and runs == 3
     j = div.token_index
     assert div.run_a.token_ids[:j] == div.run_b.token_ids[:j]
     assert div.run_a.token_ids[j] != div.run_b.token_ids[j]
@@ -73,13 +73,22 @@ def test_a_planted_difference_is_found_traced_and_replayed(llama_dir, llama_adap
     assert "answer" in a and "correct" in a
 
 
-def test_traced_run_records_every_position_once(llama_dir, llama_adapters):
+def test_traced_batch_records_each_sequence_once_per_step(llama_dir, llama_adapters):
     lora = LoRARequest("a", 1, str(llama_adapters[0]))
-    llm = _llm(llama_dir, "fast", "atomic")
-    run = trace.traced_generate(llm, PROMPTS[1], lora, SamplingParams(max_tokens=5,
-                                                                      ignore_eos=True))
-    assert len(run.token_ids) == 5 and len(run.logits) == 5 and len(run.shrinks) == 5
-    n = len(PROMPTS[1]) + 4
-    k, v = run.kv_until(n)
-    assert k.shape == v.shape == (2, n, 2, 16) and torch.equal(k, run.kv_until(n)[0])
-    assert [int(torch.argmax(z)) for z in run.logits] == run.token_ids
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8,
+              determinism="batch_invariant", enable_prefix_caching=False, max_num_seqs=4,
+              max_num_batched_tokens=16)  # prefills in chunks beside the decodes
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    runs = trace.traced_batch(llm, PROMPTS, [lora] * 3, params)
+    for p, run in zip(PROMPTS, runs, strict=True):
+        assert len(run.token_ids) == 5 and len(run.top) == 5
+        n = len(p) + 4
+        k, v = run.kv_until(n)
+        assert k.shape == v.shape == (2, n, 2, 16)
+        assert [next(iter(z)) for z in run.top] == run.token_ids
+        assert all(h.shape[1] == len(pos) for hs, pos in zip(run.shrinks, run.step_positions,
+                                                             strict=True) for h in hs.values())
+        # The same prompt alone: the same tokens, shrink rows and K/V (batch_invariant).
+        alone = trace.traced_batch(llm, [p], [lora], params)[0]
+        assert alone.token_ids == run.token_ids
+        assert torch.equal(alone.kv_until(n)[0], k) and torch.equal(alone.kv_until(n)[1], v)

@@ -70,7 +70,7 @@ class StudyPlan:
     decision_batches: tuple[int, ...] = (16, 64)  # each compared with the comments alone
     replay_executions: int = 50  # per reduction and shape
     replay_rows: tuple[int, ...] = (1, 16, 64, 256)  # M of the replayed shrinks
-    trace_runs: int = 12  # atomic runs, at most, in the search for a divergence
+    trace_runs: int = 8  # repetitions of the traced batch, at most, to find a divergence
     trace_time_s: float = 45.0  # and seconds, at most
     perf_batches: tuple[int, ...] = (1, 16, 64)
     perf_tokens: int = 64

@@ -99,7 +99,7 @@ def render(data: dict, figures: Sequence[str]) -> str:
               f"{plan['cross_tokens']} tokens in batches {plan['cross_batches']}; "
               f"{plan['comments']} comments x {plan['repetitions']}; replay "
               f"{plan['replay_executions']} executions at M = {plan['replay_rows']}; trace "
-              f"up to {plan['trace_runs']} runs; performance at batches "
+              f"up to {plan['trace_runs']} repetitions; performance at batches "
               f"{plan['perf_batches']}, {plan['perf_tokens']} tokens, {plan['perf_trials']} "
               "trials. All generation is greedy.", ""]
     for note in meta.get("notes", []):
@@ -222,7 +222,8 @@ def _trace(data: dict) -> list[str]:
     if not entries:
         return [*lines, "Not run.", ""]
     for e in entries:
-        lines.append(f"### {e['model']} ({e['level']}/{e['reduction']}, eager)")
+        lines.append(f"### {e['model']} ({e['level']}/{e['reduction']}, eager, the repeat "
+                     "section's batch)")
         lines.append("")
         if not e.get("found"):
             lines += [f"{e.get('note', 'no divergence found')}: nothing to trace.", ""]
@@ -230,7 +231,8 @@ def _trace(data: dict) -> list[str]:
         ta, tb = e["token_a"] or {}, e["token_b"] or {}
         la, lb = e.get("logits_run_a") or {}, e.get("logits_run_b") or {}
         lines += [
-            f"Prompt {e['prompt_index']}, runs {e['pair'][0]} and {e['pair'][1]}: the first "
+            f"Prompt {e['prompt_index']} of the batch, repetitions {e['pair'][0]} and "
+            f"{e['pair'][1]}: the first "
             f"{e['first_differing_token']} output tokens agree; token "
             f"{e['first_differing_token']} (position {e['position']}) is "
             f"{ta.get('text')!r} (id {ta.get('id')}) in run A and {tb.get('text')!r} (id "

@@ -509,22 +509,21 @@ def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan, device: str,
            tok: Tokenizer, bar: _Progress) -> None:
     label = model.label
     changed = repeat.changed_prompts(atomic_runs) if atomic_runs else []
-    order = changed + [i for i in range(len(prompts)) if i not in changed]
-    candidates = order[: max(1, plan.trace_runs // 4)]
     params = SamplingParams(max_tokens=plan.max_tokens)
     atomic = EngineSetup("fast", "atomic")
     llm = build_llm(model, atomic, plan, variant="eager", device=device)
     entry: dict[str, Any] = {"model": label, "level": atomic.level,
-                             "reduction": atomic.reduction, "candidates": candidates,
-                             "candidates_changed_in_repeat": len(changed)}
+                             "reduction": atomic.reduction, "prompts": len(prompts),
+                             "prompts_changed_in_repeat": len(changed)}
     try:
-        div, runs = trace.find_divergence(llm, prompts, loras, candidates, params,
-                                          max_runs=plan.trace_runs,
+        div, runs = trace.find_divergence(llm, prompts, loras, params,
+                                          repetitions=plan.trace_runs,
                                           time_limit_s=plan.trace_time_s, tick=bar.tick)
-        entry["runs"] = runs
+        entry["repetitions"] = runs
         entry["found"] = div is not None
         if div is None:
-            entry["note"] = (f"no divergence in {runs} runs of {len(candidates)} prompt(s)")
+            entry["note"] = (f"no divergence in {runs} repetitions of the batch of "
+                             f"{len(prompts)} prompts")
             return
         entry["prompt_index"] = div.prompt_index
         entry["prompt"] = tasks[div.prompt_index].prompt

@@ -1,9 +1,10 @@
 """Section 5, the trace of a divergence (the paper's section 6.2): two runs of one prompt under
 ``atomic`` that choose different tokens, followed back into the layers.
 
-1. Search: prompts (those whose output changed in the repeat section first) run alone in an
-   eager ``fast``/``atomic`` engine, every LoRA shrink output and every K/V written recorded
-   (``detlora.engine.introspect``), until a run's tokens differ from the prompt's first run.
+1. Search: the repeat section's workload (its prompts in one batch) runs again in an eager
+   ``fast``/``atomic`` engine, every LoRA shrink output, every K/V written and the best logits
+   of every sampled row recorded per sequence (``detlora.engine.introspect``), until a
+   repetition's tokens differ from the first's for some prompt.
 2. The divergence: the first differing token, both runs' logits of the two candidates there
    (the margin), the first shrink output that differs (step, layer, element, both values),
    and per layer the largest shrink and K/V differences up to that token.
@@ -26,17 +27,21 @@ from detlora.study.generation import first_difference
 from detlora.study.grading import grade
 from detlora.study.tasks import Task
 
+TOP_LOGITS = 8  # logits kept per sampled row: the candidates of a close race are among them
+
 
 @dataclass
 class TracedRun:
+    """What one sequence of a traced batch computed, per engine step that included it."""
+
     token_ids: list[int]
     text: str
     step_names: list[list[str]] = field(default_factory=list)  # per step, in forward order
-    shrinks: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step
+    shrinks: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [S, rows, R] each
     step_positions: list[list[int]] = field(default_factory=list)
-    k: list[torch.Tensor] = field(default_factory=list)  # per step [L, T, Hk, D], on device
+    k: list[torch.Tensor] = field(default_factory=list)  # per step [L, rows, Hk, D], on device
     v: list[torch.Tensor] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # per sampled token, fp32 [V]
+    top: list[dict[int, float]] = field(default_factory=list)  # per sampled token: id -> logit
     sample_steps: list[int] = field(default_factory=list)  # the step of each sampled token
 
     def kv_until(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,37 +55,54 @@ class TracedRun:
         return k.index_select(1, idx), v.index_select(1, idx)
 
 
-def traced_generate(llm, prompt: Sequence[int], lora: LoRARequest | None,
-                    params: SamplingParams) -> TracedRun:
-    """One prompt alone, with every shrink output, K/V and logits row recorded (logits on the
-    CPU, the rest on the engine's device)."""
+def traced_batch(llm, prompts: Sequence[Sequence[int]], loras: Sequence[LoRARequest | None],
+                 params: SamplingParams) -> list[TracedRun]:
+    """All ``prompts`` in one batch, each sequence's shrink rows, K/V and best logits recorded
+    (logits on the CPU, the rest on the engine's device). Needs an eager engine without a
+    prefix cache (so that no two live sequences share a page)."""
     engine = llm.engine
-    run = TracedRun([], "")
-    start = engine.num_steps
+    seqs = [engine.add_request(list(p), params, lora=lr)
+            for p, lr in zip(prompts, loras, strict=True)]
+    runs = [TracedRun([], "") for _ in seqs]
+    pending: dict[str, torch.Tensor] = {}
 
     def on_shrink(name: str, h: torch.Tensor) -> None:
-        s = engine.num_steps - start - 1
-        while len(run.shrinks) <= s:
-            run.shrinks.append({})
-            run.step_names.append([])
-        run.shrinks[s][name] = h  # a copy, left on the device until compared
-        run.step_names[s].append(name)
+        pending[name] = h
 
     def on_step(step, logits) -> None:
-        k, v = read_kv(engine, step.slot_mapping)
-        run.step_positions.append(list(step.positions))
-        run.k.append(k)
-        run.v.append(v)
+        k_all, v_all = read_kv(engine, step.slot_mapping)
+        where = {tuple(table): k for k, table in enumerate(step.block_tables)}
+        sampled = {row: j for j, row in enumerate(step.logits_indices)}
+        top = None
         if logits is not None:
-            run.logits.append(logits[0].float().cpu())
-            run.sample_steps.append(len(run.step_positions) - 1)
+            values, ids = torch.topk(logits.float(), min(TOP_LOGITS, logits.shape[-1]), dim=-1)
+            top = (ids.cpu().tolist(), values.cpu().tolist())
+        for seq, run in zip(seqs, runs, strict=True):
+            k = where.get(tuple(seq.block_table))
+            if k is None:
+                continue
+            lo, hi = step.query_start_loc[k], step.query_start_loc[k + 1]
+            run.step_positions.append(list(step.positions[lo:hi]))
+            run.k.append(k_all[:, lo:hi])
+            run.v.append(v_all[:, lo:hi])
+            run.shrinks.append({n: h[:, lo:hi] for n, h in pending.items()})
+            run.step_names.append(list(pending))
+            j = sampled.get(hi - 1)
+            if j is not None and top is not None:
+                run.top.append(dict(zip(top[0][j], top[1][j], strict=True)))
+                run.sample_steps.append(len(run.step_positions) - 1)
+        pending.clear()
 
+    done = {}
     with observe(engine, on_shrink=on_shrink, on_step=on_step):
-        out = llm.generate([{"prompt_token_ids": list(prompt)}], params, lora,
-                           use_tqdm=False)[0]
-    run.token_ids = list(out.outputs[0].token_ids)
-    run.text = out.outputs[0].text
-    return run
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    for seq, run in zip(seqs, runs, strict=True):
+        out = done[seq.request_id].outputs[0]
+        run.token_ids, run.text = list(out.token_ids), out.text
+    return runs
 
 
 @dataclass(frozen=True)
@@ -88,40 +110,35 @@ class Divergence:
     prompt_index: int
     run_a: TracedRun
     run_b: TracedRun
-    pair: tuple[int, int]  # run numbers of the prompt: 0 and the first that differed
+    pair: tuple[int, int]  # the repetitions compared: 0 and the first that differed
     token_index: int  # the first differing output token
 
 
 def find_divergence(llm, prompts: Sequence[Sequence[int]], loras: Sequence[LoRARequest | None],
-                    candidates: Sequence[int], params: SamplingParams, *, max_runs: int,
+                    params: SamplingParams, *, repetitions: int,
                     time_limit_s: float = float("inf"),
-                    before_run: Callable[[int, int], None] | None = None,
+                    before_run: Callable[[int], None] | None = None,
                     tick: Callable[[], None] = lambda: None) -> tuple[Divergence | None, int]:
-    """(the first divergence found, runs made). Candidates take turns (one run each per
-    round) until ``max_runs`` runs or ``time_limit_s``. ``before_run(prompt, run)`` is
-    called before each run (tests plant a difference with it)."""
-    firsts: dict[int, TracedRun] = {}
-    counts: dict[int, int] = {}
-    runs = 0
+    """(the first divergence found, repetitions run): the batch again until some prompt's
+    tokens differ from repetition 0, for at most ``repetitions`` runs or ``time_limit_s``.
+    ``before_run(r)`` is called before repetition r (tests plant a difference with it)."""
     t0 = time.perf_counter()
-    while runs < max_runs and candidates and time.perf_counter() - t0 < time_limit_s:
-        for i in candidates:
-            if runs >= max_runs or time.perf_counter() - t0 >= time_limit_s:
-                break
-            n = counts.get(i, 0)
-            if before_run is not None:
-                before_run(i, n)
-            run = traced_generate(llm, prompts[i], loras[i], params)
-            runs += 1
-            counts[i] = n + 1
-            tick()
-            if i not in firsts:
-                firsts[i] = run
-                continue
-            j = first_difference(firsts[i].token_ids, run.token_ids)
+    first: list[TracedRun] = []
+    for r in range(repetitions):
+        if r > 1 and time.perf_counter() - t0 >= time_limit_s:
+            return None, r
+        if before_run is not None:
+            before_run(r)
+        runs = traced_batch(llm, prompts, loras, params)
+        tick()
+        if r == 0:
+            first = runs
+            continue
+        for i, (a, b) in enumerate(zip(first, runs, strict=True)):
+            j = first_difference(a.token_ids, b.token_ids)
             if j is not None:
-                return Divergence(i, firsts[i], run, (0, n), j), runs
-    return None, runs
+                return Divergence(i, a, b, (0, r), j), r + 1
+    return None, repetitions
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
@@ -169,11 +186,12 @@ def describe_divergence(div: Divergence, num_layers: int,
         layers[i]["v_max_abs"], layers[i]["v_differing"] = _max_diff(va[i], vb[i])
 
     def logits_at(run: TracedRun) -> dict | None:
-        if j >= len(run.logits) or tok_a is None or tok_b is None:
+        if j >= len(run.top) or tok_a is None or tok_b is None:
             return None
-        z = run.logits[j]
-        return {"logit_a": float(z[tok_a]), "logit_b": float(z[tok_b]),
-                "margin": float(z[tok_a] - z[tok_b]), "chosen": int(torch.argmax(z))}
+        z = run.top[j]  # the best logits of the row, best first
+        za, zb = z.get(tok_a), z.get(tok_b)
+        return {"logit_a": za, "logit_b": zb,
+                "margin": None if za is None or zb is None else za - zb, "chosen": next(iter(z))}
 
     return {
         "pair": list(div.pair), "first_differing_token": j, "position": prompt_len + j,
