@@ -10,6 +10,8 @@ from detlora import LLM, LoRARequest, SamplingParams
 from detlora.engine.introspect import continue_from_kv, observe, read_kv
 
 PROMPT = [5, 9, 17, 33, 2, 8, 40, 41, 3, 77, 12]
+FOUR_GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+EIGHT_GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
 
 
 def _llm(llama_dir, **kw) -> LLM:
@@ -31,7 +33,7 @@ def test_observe_reports_every_lora_layer_per_step_and_the_kv_written(llama_dir,
 
     with observe(engine, on_shrink=lambda name, h: shrinks.append((engine.num_steps, name, h)),
                  on_step=on_step):
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True), lora,
+        out = llm.generate([PROMPT], FOUR_GREEDY, lora,
                            use_tqdm=False)[0]
     # 2 layers x (qkv, o, gate_up, down) per step; 4 steps (a prefill and 3 decodes).
     names = [n for s, n, _ in shrinks if s == engine.num_steps]
@@ -65,7 +67,7 @@ def test_continue_from_its_own_kv_gives_the_engines_tokens(llama_dir, llama_adap
         vs.append(v)
 
     with observe(engine, on_step=on_step):
-        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True), lora,
+        out = llm.generate([PROMPT], EIGHT_GREEDY, lora,
                            use_tqdm=False)[0]
     tokens = out.outputs[0].token_ids
     k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # positions 0 .. len(PROMPT) + 6
@@ -78,7 +80,7 @@ def test_continue_from_its_own_kv_gives_the_engines_tokens(llama_dir, llama_adap
                              torch.flip(v[:, :cut], [1]), lora=lora, max_tokens=4)
     assert [float(t.logits.max()) for t in other] != [float(t.logits.max()) for t in got]
     # The engine still serves requests afterwards, with the same bits.
-    again = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True), lora,
+    again = llm.generate([PROMPT], EIGHT_GREEDY, lora,
                          use_tqdm=False)[0]
     assert again.outputs[0].token_ids == tokens
 
@@ -89,7 +91,7 @@ def test_continue_from_kv_rejects_bad_shapes_and_a_busy_engine(llama_dir):
     k = torch.zeros(2, 3, 2, 16)
     with pytest.raises(ValueError, match="shape"):
         continue_from_kv(engine, [1, 2, 3], k, k)
-    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
     with pytest.raises(ValueError, match="idle"):
         continue_from_kv(engine, [1, 2, 3, 4], k, k)
 

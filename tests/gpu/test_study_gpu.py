@@ -43,6 +43,7 @@ def test_continue_from_its_own_kv_on_cuda(tmp_path):
               max_num_seqs=4, enable_prefix_caching=False)
     lora = LoRARequest("a", 1, str(adapters[0]))
     prompt = [8, 9, 10, 11, 12, 13, 14, 15, 16]
+    eight_greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     ks, vs, shrinks = [], [], []
 
     def on_step(step, logits):
@@ -51,7 +52,7 @@ def test_continue_from_its_own_kv_on_cuda(tmp_path):
         vs.append(v)
 
     with observe(llm.engine, on_step=on_step, on_shrink=lambda n, h: shrinks.append(h)):
-        out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), lora,
+        out = llm.generate([prompt], eight_greedy, lora,
                            use_tqdm=False)[0]
     assert shrinks and all(h.is_cuda and h.dtype == torch.float32 for h in shrinks)
     tokens = out.outputs[0].token_ids

@@ -15,7 +15,7 @@ from detlora.study.tasks import ARITHMETIC, CODE, Task
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12], [13, 14], [15, 16, 17], [18], [19, 20]]
 LORAS = [None] * len(PROMPTS)
-PARAMS = SamplingParams(max_tokens=4, logprobs=0)
+PARAMS = SamplingParams(max_tokens=4, logprobs=0, temperature=0.0)
 
 
 def _changed_token(call: Call):

@@ -23,7 +23,7 @@ def test_a_planted_difference_is_found_traced_and_replayed(llama_dir, llama_adap
     lora = LoRARequest("a", 1, str(llama_adapters[0]))
     loras = [lora] * len(PROMPTS)
     llm = _llm(llama_dir, "fast", "atomic")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     target = llm.engine.model.layers[0].mlp.gate_up_proj.lora
     saved: dict[str, torch.Tensor] = {}
 
@@ -78,7 +78,7 @@ def test_traced_batch_records_each_sequence_once_per_step(llama_dir, llama_adapt
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8,
               determinism="batch_invariant", enable_prefix_caching=False, max_num_seqs=4,
               max_num_batched_tokens=16)  # prefills in chunks beside the decodes
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
     runs = trace.traced_batch(llm, PROMPTS, [lora] * 3, params)
     for p, run in zip(PROMPTS, runs, strict=True):
         assert len(run.token_ids) == 5 and len(run.top) == 5

@@ -20,7 +20,7 @@ from detlora.study.generation import Engine, generate
 
 def _timed(llm: Engine, prompts: Sequence[Sequence[int]], loras: Sequence[LoRARequest | None],
            tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()

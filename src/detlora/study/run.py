@@ -345,8 +345,10 @@ class _ModelStudy:
         self.on_gpu = dev.type == "cuda"
         self.dev = dev
         self.device = "cuda" if self.on_gpu else "cpu"
-        self.gen = SamplingParams(max_tokens=plan.max_tokens, logprobs=0)
-        self.cross_params = SamplingParams(max_tokens=plan.cross_tokens, logprobs=0)
+        # Greedy, with each chosen token's logprob (the bits compared beside the tokens).
+        self.gen = SamplingParams(max_tokens=plan.max_tokens, logprobs=0, temperature=0.0)
+        self.cross_params = SamplingParams(max_tokens=plan.cross_tokens, logprobs=0,
+                                           temperature=0.0)
         self.grades: dict = {}  # (task, text) -> Outcome, shared by every configuration
         self.alone: dict[str, list] = {}  # level -> the cross-batch prompts run alone
         self.atomic_runs: list = []  # the repeat section's atomic runs, for the trace
@@ -499,8 +501,8 @@ class _ModelStudy:
 
 def _fingerprint(llm, prompt: list[int], lora) -> str:
     """What decided the bits of this engine's outputs with the study's (first) adapter."""
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), lora,
-                       use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(max_tokens=1, temperature=0.0), lora, use_tqdm=False)
     return out[0].fingerprint
 
 
@@ -509,7 +511,7 @@ def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan, device: str,
            tok: Tokenizer, bar: _Progress) -> None:
     label = model.label
     changed = repeat.changed_prompts(atomic_runs) if atomic_runs else []
-    params = SamplingParams(max_tokens=plan.max_tokens)
+    params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0)
     atomic = EngineSetup("fast", "atomic")
     llm = build_llm(model, atomic, plan, variant="eager", device=device)
     entry: dict[str, Any] = {"model": label, "level": atomic.level,
