@@ -99,8 +99,10 @@ def assets(tmp_path_factory):
 
 
 def _llm(model: Path, **kw) -> LLM:
+    # Few token buckets: fewer step graphs to capture per engine (ten engines in this file).
     args = dict(enable_lora=True, max_loras=8, max_lora_rank=16, max_model_len=128,
-                max_num_seqs=64, num_kv_blocks=256, enable_prefix_caching=False)
+                max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=256,
+                enable_prefix_caching=False)
     return LLM(str(model), **{**args, **kw})
 
 
