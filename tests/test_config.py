@@ -1,13 +1,14 @@
 import pytest
 
-from detlora.config import Determinism, EngineConfig, LoRAReduction, SamplingParams
+from detlora.config import Determinism, LoRAReduction, SamplingParams
+from detlora.engine_args import EngineArgs
 
 
 def test_sampling_defaults():
-    p = SamplingParams()
+    p = SamplingParams(temperature=0.0)
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (16, 0.0, -1, 1.0, None)
     assert p.greedy and p.stop_token_ids == ()
-    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(temperature=0.0, stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
 
 
 @pytest.mark.parametrize(
@@ -35,11 +36,11 @@ def test_sampling_params_errors_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_engine_config_resolves_and_validates():
-    c = EngineConfig(model="m")
+def test_engine_args_resolve_and_validates():
+    c = EngineArgs(model="m")
     assert c.resolved_determinism is Determinism.BATCH_INVARIANT
     assert c.resolved_lora_reduction is LoRAReduction.IN_GEMM
-    c = EngineConfig(model="m", determinism="fast", lora_reduction="ordered")
+    c = EngineArgs(model="m", determinism="fast", lora_reduction="ordered")
     assert c.determinism is Determinism.FAST and c.resolved_lora_reduction is LoRAReduction.ORDERED
     for kwargs, field in [({"block_size": 12}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"),
                           ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"),
@@ -48,4 +49,4 @@ def test_engine_config_resolves_and_validates():
                           ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
                           ({"max_loras": 0}, "max_loras")]:
         with pytest.raises(ValueError, match=field):
-            EngineConfig(model="m", **kwargs)
+            EngineArgs(model="m", **kwargs)

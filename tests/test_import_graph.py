@@ -19,6 +19,7 @@ PACKAGE = SRC / "detlora"
 # Longest prefix wins. Lower numbers sit lower: an import may point down or sideways only.
 LAYERS: dict[str, int] = {
     "detlora.config": 0,
+    "detlora.engine_args": 0,
     "detlora.json_files": 0,
     "detlora.ops": 1,
     "detlora.distributed": 2,

@@ -72,7 +72,8 @@ def main(out_path: str, quick: bool = False) -> None:
             return out
 
         engine.step = timed_step
-        params = SamplingParams(max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
+        params = SamplingParams(temperature=0.0,
+                                max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
         for index in range(4):
             steps.clear()
             first_event = len(EVENTS)

@@ -59,7 +59,8 @@ def main(out_path: str) -> None:
                 repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1))):
             params = [SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=0, **extra,
                                      **(dict(temperature=0.8, top_p=0.95, seed=k) if k % 2
-                                        else {})) for k in range(BATCH)]
+                                        else dict(temperature=0.0)))
+                      for k in range(BATCH)]
 
             def go(params=params) -> None:
                 llm.generate(prompts, params, [lora] * BATCH, use_tqdm=False)

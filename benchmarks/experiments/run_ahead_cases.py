@@ -32,7 +32,7 @@ SLOTS = 64
 def _params(k: int, plan: be.BenchPlan, penalized: bool) -> SamplingParams:
     extra = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1) \
         if penalized else {}
-    sampled = dict(temperature=0.8, top_p=0.95, seed=k) if k % 2 else {}
+    sampled = dict(temperature=0.8, top_p=0.95, seed=k) if k % 2 else dict(temperature=0.0)
     return SamplingParams(max_tokens=plan.output_len, ignore_eos=True, logprobs=0,
                           **sampled, **extra)
 

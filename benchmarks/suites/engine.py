@@ -198,7 +198,8 @@ class Workload:
 
         def params(k: int, max_tokens: int) -> SamplingParams:
             if k % 2 == 0:
-                return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+                return SamplingParams(temperature=0.0,
+                                      max_tokens=max_tokens, ignore_eos=True, logprobs=0)
             return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                                   temperature=0.8, top_p=0.95, seed=k)
 

@@ -86,7 +86,8 @@ def _run_engine(model_dir: Path, lora: Any, plan: PrefixPlan, mode: str, caching
     from detlora import SamplingParams
 
     llm = make_llm(model_dir, plan, mode, caching)
-    params = SamplingParams(max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0,
+                            max_tokens=plan.verdict_len, ignore_eos=True, logprobs=0)
     outputs: list[list[Any]] = []
     times: list[float] = []
     cached: list[int] = []

@@ -8,8 +8,9 @@ from detlora.batch_invariant import (
     enable_batch_invariant_mode,
     is_batch_invariant_mode_enabled,
 )
-from detlora.config import Determinism, LoRAReduction, SamplingParams
-from detlora.engine.outputs import CompletionOutput, RequestOutput
+from detlora.config import Determinism, LogprobsMode, LoRAReduction, SamplingParams
+from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from detlora.engine_args import EngineArgs
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
@@ -21,8 +22,12 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "Determinism",
+    "EngineArgs",
     "LoRAReduction",
     "LoRARequest",
+    "Logprob",
+    "LogprobsMode",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "__version__",

@@ -54,6 +54,34 @@ class LoRAReduction(str, Enum):
             raise ValueError(f"reduction must be one of {names}, got {value!r}") from None
 
 
+class LogprobsMode(str, Enum):
+    """What ``logprobs`` report (vLLM's ``logprobs_mode``): the model's raw distribution, or
+    the processed one the token was drawn from (after bans, allowed tokens, logit bias,
+    penalties, min_p, temperature, top-k and top-p); as log-probabilities or as logits."""
+
+    RAW_LOGPROBS = "raw_logprobs"
+    RAW_LOGITS = "raw_logits"
+    PROCESSED_LOGPROBS = "processed_logprobs"
+    PROCESSED_LOGITS = "processed_logits"
+
+    @classmethod
+    def parse(cls, value: str | LogprobsMode) -> LogprobsMode:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"logprobs_mode must be one of {names}, got {value!r}") from None
+
+    @property
+    def raw(self) -> bool:
+        return self in (LogprobsMode.RAW_LOGPROBS, LogprobsMode.RAW_LOGITS)
+
+    @property
+    def logprobs(self) -> bool:
+        """Log-probabilities (else logits)."""
+        return self in (LogprobsMode.RAW_LOGPROBS, LogprobsMode.PROCESSED_LOGPROBS)
+
+
 # The level an engine (or a backend) gets when none is asked for, on every device.
 DEFAULT_DETERMINISM = Determinism.BATCH_INVARIANT
 
@@ -138,7 +166,8 @@ class StructuredOutputsParams:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request's tokens are chosen (vLLM's names and defaults, minus what we lack).
+    """How one request's tokens are chosen: vLLM's names and defaults (``temperature=1.0``,
+    ``max_tokens=16``), minus what we lack.
 
     ``temperature == 0`` is greedy (argmax, ties to the lowest token id). Otherwise tokens are
     drawn by Gumbel-max with noise hashed from (seed, position, token id), so a seeded request
@@ -150,7 +179,7 @@ class SamplingParams:
 
     max_tokens: int | None = 16  # None: until max_model_len
     n: int = 1  # completions per prompt
-    temperature: float = 0.0
+    temperature: float = 1.0  # 0: greedy
     top_k: int = -1  # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0  # keep tokens with probability >= min_p * the best one's (0: off)
@@ -158,9 +187,9 @@ class SamplingParams:
     logprobs: int | None = None  # when set (>= 0): logprob of each chosen token
     prompt_logprobs: int | None = None  # when set (>= 0): logprob of each prompt token
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = ()  # None: none
     min_tokens: int = 0
-    stop: tuple[str, ...] = ()  # stop strings (a str is one); engine/sample/stop_strings.py
+    stop: tuple[str, ...] | str | None = ()  # stop strings (a str is one; None: none)
     include_stop_str_in_output: bool = False
     # Logit adjustments, in vLLM's order (engine/sample/logit_adjust.py): allowed tokens, bias, then
     # penalties over the prompt and output tokens (repetition) or the output (the other two);
@@ -192,14 +221,15 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        ids = self.stop_token_ids
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)):
             raise ValueError(f"stop_token_ids must be a sequence of ints, got {ids!r}")
         for t in ids:
             _check_int("stop_token_ids entries", t, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) \
+            else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) for x in stop):
             raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
         if any(x == "" for x in stop):
@@ -248,104 +278,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that shapes an engine; ``LLM(...)`` builds one from its arguments.
-
-    ``determinism=None`` means batch_invariant, the default promise on every device (on the
-    CPU every level runs the same batch-invariant torch code). ``lora_reduction=None`` means
-    the level's default (``DEFAULT_LORA_REDUCTION``); ``max_model_len=None`` the model's
-    ``max_position_embeddings``; ``num_kv_blocks=None`` sizes the KV cache from
-    ``gpu_memory_utilization`` on CUDA (from the longest possible batch on the CPU);
-    ``max_cpu_loras=None`` lets the host cache of adapters hold as many as fit in a share of
-    the host memory available at start (``lora/host_cache.py``).
-    ``enable_prefix_caching=None`` turns prefix caching on at batch_invariant only: there a
-    cached prefix gives the bits its recompute would, while below it the cached K/V carry the
-    bits of the batch that computed them, so a repeated ``generate`` could change its output.
-    """
-
-    model: str
-    enable_lora: bool = False
-    max_lora_rank: int = 16
-    max_loras: int = 4
-    max_cpu_loras: int | None = None  # adapters kept in host memory (None: sized from it)
-    determinism: Determinism | None = None
-    lora_reduction: LoRAReduction | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.85
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool | None = None
-    enforce_eager: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a model directory path, got {self.model!r}")
-        if self.determinism is not None:
-            object.__setattr__(self, "determinism", Determinism.parse(self.determinism))
-        if self.lora_reduction is not None:
-            object.__setattr__(self, "lora_reduction", LoRAReduction.parse(self.lora_reduction))
-        for flag in ("enable_lora", "enable_chunked_prefill", "enforce_eager"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.enable_prefix_caching is not None and not isinstance(
-                self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be a bool or None, got "
-                             f"{self.enable_prefix_caching!r}")
-        _check_int("max_lora_rank", self.max_lora_rank, low=1)
-        _check_int("max_loras", self.max_loras, low=1)
-        if self.max_cpu_loras is not None and _check_int(
-                "max_cpu_loras", self.max_cpu_loras, low=1) < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
-                             f"({self.max_loras})")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not (
-            self.device in ("auto", "cpu", "cuda")
-            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        ):
-            raise ValueError(
-                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
-            )
-        _check_int("max_num_seqs", self.max_num_seqs, low=1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, low=1)
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, low=1)
-        _check_int("block_size", self.block_size, low=1)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None:
-            _check_int("num_kv_blocks", self.num_kv_blocks, low=1)
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
-        _check_int("seed", self.seed, low=0, high=2**64 - 1)
-
-    @property
-    def resolved_determinism(self) -> Determinism:
-        return self.determinism or DEFAULT_DETERMINISM
-
-    @property
-    def resolved_prefix_caching(self) -> bool:
-        if self.enable_prefix_caching is not None:
-            return self.enable_prefix_caching
-        return self.resolved_determinism is Determinism.BATCH_INVARIANT
-
-    @property
-    def resolved_lora_reduction(self) -> LoRAReduction:
-        return self.lora_reduction or DEFAULT_LORA_REDUCTION[self.resolved_determinism]
-
-
-# "auto" follows config.json's torch_dtype on CUDA and uses float32 on the CPU.
-_DTYPES = {"auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"}
 
 
 def _check_number(name: str, value: object) -> float:

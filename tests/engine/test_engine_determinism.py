@@ -28,7 +28,8 @@ def case(llama_dir, llama_adapters):
     prompts = random_prompts(N, seed=5)
     mixed = [loras[k % 2] if k % 3 else None for k in range(N)]
     params = [
-        SamplingParams(max_tokens=12, logprobs=1, ignore_eos=True) if k % 2 == 0 else
+        SamplingParams(temperature=0.0,
+                       max_tokens=12, logprobs=1, ignore_eos=True) if k % 2 == 0 else
         SamplingParams(max_tokens=12, logprobs=0, ignore_eos=True, temperature=0.9, top_p=0.95,
                        top_k=40, seed=77 + k)
         for k in range(N)
@@ -49,7 +50,7 @@ def test_outputs_are_real(case):
         c = out.outputs[0]
         assert len(c.token_ids) == 12 and c.finish_reason == "length"
         assert len(c.logprobs) == 12 and all(len(d) >= 1 for d in c.logprobs)
-        assert all(v <= 0.0 for d in c.logprobs for v in d.values())
+        assert all(v.logprob <= 0.0 for d in c.logprobs for v in d.values())
     # Adapters change the outputs (B is not zero), so the checks below compare real work.
     llm, prompts, _, _, _ = case
     base = llm.generate(prompts[1], params[1], None, use_tqdm=False)[0]
@@ -129,7 +130,7 @@ def test_qwen3_batch_chunking_and_preemption(qwen3_dir, qwen3_adapter):
     lora = LoRARequest("q", 1, str(qwen3_adapter))
     prompts = random_prompts(6, seed=11)
     mixed = [lora if k % 2 else None for k in range(6)]
-    sp = SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
     llm = make_llm(qwen3_dir)
     alone = [llm.generate(p, sp, m, use_tqdm=False)[0] for p, m in zip(prompts, mixed,
                                                                        strict=True)]

@@ -57,7 +57,7 @@ def test_bad_config(tmp_path, llama_dir):
 
 def test_bad_adapters_fail_and_the_engine_recovers(llm, tmp_path, llama_adapters):
     prompt = random_prompts(1, seed=1)[0]
-    sp = SamplingParams(max_tokens=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises((FileNotFoundError, ValueError), match=r"adapter directory .* not exist"):
         llm.generate(prompt, sp, LoRARequest("gone", 7, str(tmp_path / "gone")), use_tqdm=False)
     wide = tmp_path / "rank"
@@ -78,7 +78,7 @@ def test_bad_adapters_fail_and_the_engine_recovers(llm, tmp_path, llama_adapters
 
 def test_bad_requests(llm, llama_adapters):
     prompts = random_prompts(2, seed=2)
-    sp = SamplingParams(max_tokens=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="max_model_len=64"):
         llm.generate([2] * 64, sp, use_tqdm=False)
     with pytest.raises(ValueError, match="lora_request has 3 entries but there are 2 prompts"):
@@ -100,11 +100,13 @@ def test_bad_requests(llm, llama_adapters):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(prompts, {"max_tokens": 3}, use_tqdm=False)
     with pytest.raises(ValueError, match="top_p"):
-        llm.generate(prompts, SamplingParams(top_p=2.0), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(temperature=0.0, top_p=2.0), use_tqdm=False)
     with pytest.raises(ValueError, match=r"logprobs=129 asks for more top tokens than the "
                                          r"vocabulary holds \(128\)"):
-        llm.generate(prompts, SamplingParams(max_tokens=2, logprobs=129), use_tqdm=False)
-    every = llm.generate(prompts[0], SamplingParams(max_tokens=2, logprobs=128), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(temperature=0.0,
+                                             max_tokens=2, logprobs=129), use_tqdm=False)
+    every = llm.generate(prompts[0], SamplingParams(temperature=0.0,
+                                                    max_tokens=2, logprobs=128), use_tqdm=False)
     assert all(len(step) == 128 for step in every[0].outputs[0].logprobs)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "p")
@@ -121,13 +123,14 @@ def test_bad_requests(llm, llama_adapters):
 
 def test_stop_tokens_and_min_tokens(llm):
     prompt = random_prompts(1, seed=4)[0]
-    first = llm.generate(prompt, SamplingParams(max_tokens=6), use_tqdm=False)[0].outputs[0]
+    first = llm.generate(prompt, SamplingParams(temperature=0.0,
+                                                max_tokens=6), use_tqdm=False)[0].outputs[0]
     stop = first.token_ids[2]
-    out = llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop]),
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop]),
                        use_tqdm=False)[0].outputs[0]
     k = first.token_ids.index(stop)
     assert out.token_ids == first.token_ids[: k + 1] and out.finish_reason == "stop"
     assert out.stop_reason == stop and first.stop_reason is None
-    late = llm.generate(prompt, SamplingParams(max_tokens=6, stop_token_ids=[stop],
+    late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop],
                                                min_tokens=k + 2), use_tqdm=False)[0].outputs[0]
     assert stop not in late.token_ids[: k + 2]

@@ -35,7 +35,7 @@ def test_greedy_matches_hf_and_peft(kind, request):
     adapter = (request.getfixturevalue("llama_adapters")[0] if kind == "llama"
                else request.getfixturevalue("qwen3_adapter"))
     prompts = random_prompts(4, seed=3)
-    sp = SamplingParams(max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
     llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, device="cpu")
     lora = LoRARequest("a", 1, str(adapter))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
@@ -47,7 +47,7 @@ def test_greedy_matches_hf_and_peft(kind, request):
         for p, out in zip(prompts, outs, strict=True):
             tokens, logprobs = hf_greedy(hf_model, p)
             assert out.outputs[0].token_ids == tokens
-            mine = [next(iter(d.values())) for d in out.outputs[0].logprobs]
+            mine = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(logprobs),
                                        rtol=0, atol=1e-4)
     # The adapter matters on this model, so the PEFT comparison is not the base one again.

@@ -43,12 +43,13 @@ def test_n_completions_are_batch_invariant_and_repeat(llm):
 
 
 def test_greedy_n_gives_identical_completions_and_n_is_checked(llm):
-    out = llm.generate(random_prompts(1, seed=13), SamplingParams(max_tokens=5, n=2),
+    out = llm.generate(random_prompts(1, seed=13), SamplingParams(temperature=0.0,
+                                                                  max_tokens=5, n=2),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="n must be"):
-            SamplingParams(n=bad)
+            SamplingParams(temperature=0.0, n=bad)
 
 
 def test_per_prompt_n_keeps_prompts_and_completions_in_order(llm):
@@ -84,7 +85,7 @@ def test_cumulative_logprob_sums_the_chosen_tokens(llm):
     out = llm.generate(prompt, SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=2,
                                               logprobs=2), use_tqdm=False)[0]
     for c in out.outputs:
-        chosen = [d[t] for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+        chosen = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
         assert c.cumulative_logprob == sum(chosen) and c.cumulative_logprob < 0
-    plain = llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert plain.outputs[0].cumulative_logprob is None

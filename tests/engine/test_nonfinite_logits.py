@@ -44,7 +44,7 @@ def _params(k: int, max_tokens: int = 6) -> SamplingParams:
     if k % 2:
         return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=k,
                               logprobs=1)
-    return SamplingParams(max_tokens=max_tokens, logprobs=0 if k % 4 else None)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0 if k % 4 else None)
 
 
 def _emulate_graph_head(engine):
@@ -87,7 +87,7 @@ def test_overflowing_adapter_row_errors_and_its_neighbours_keep_their_bits(
     params = [_params(k) for k in range(5)]
     # The bad row ends at its first token; its twin too (max_tokens=1), so both batches have
     # the same shapes at every step.
-    params[2] = SamplingParams(max_tokens=1, logprobs=0)
+    params[2] = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
     loras = [None, a0, big, a1, None]
     llm = _llm(llama_dir, level)
     if graph_head:
@@ -107,7 +107,8 @@ def test_overflowing_adapter_row_errors_and_its_neighbours_keep_their_bits(
     # The engine is clean and serves the same adapter id again (it errors again).
     assert not llm.engine.has_unfinished()
     assert llm.engine.block_manager.num_free == llm.engine.num_kv_blocks
-    again = llm.generate(prompts[2], SamplingParams(max_tokens=3), big, use_tqdm=False)
+    again = llm.generate(prompts[2], SamplingParams(temperature=0.0,
+                                                    max_tokens=3), big, use_tqdm=False)
     _assert_error(again[0], "adapter 'big'")
 
 
@@ -146,9 +147,9 @@ def test_a_nan_base_model_errors_every_row_naming_the_base_model(llama_dir, leve
     with torch.no_grad():
         llm.engine.model.norm.weight[3] = float("nan")  # after loading: the check passed
     prompts = random_prompts(3, seed=42)
-    params = [SamplingParams(max_tokens=max_tokens),
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens),
               SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, logprobs=2),
-              SamplingParams(max_tokens=max_tokens, logprobs=0)]
+              SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o in outs:
         _assert_error(o, "base model")
@@ -182,16 +183,18 @@ def test_sampler_flags_nonfinite_rows_and_gives_them_a_safe_token():
         assert head[:, 2].tolist() == [1.0, 0.0, 1.0, 1.0]
         assert all(0 <= t < vocab for t in head[:, 0].tolist())
         mixes = [
-            [SamplingParams()] * 4,
-            [SamplingParams(logprobs=0)] * 4,
+            [SamplingParams(temperature=0.0)] * 4,
+            [SamplingParams(temperature=0.0, logprobs=0)] * 4,
             [SamplingParams(temperature=0.7, seed=1)] * 4,
-            [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2),
-             SamplingParams(logprobs=3), SamplingParams(temperature=1.1, top_p=0.8, seed=3)],
-            [SamplingParams(temperature=1.0, seed=4, logprobs=0), SamplingParams(logprobs=0),
-             SamplingParams(), SamplingParams(temperature=0.5, seed=5)],
-            [SamplingParams(presence_penalty=0.5, logprobs=0),
+            [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=2),
+             SamplingParams(temperature=0.0,
+                            logprobs=3), SamplingParams(temperature=1.1, top_p=0.8, seed=3)],
+            [SamplingParams(temperature=1.0, seed=4, logprobs=0), SamplingParams(temperature=0.0,
+                                                                                 logprobs=0),
+             SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=5)],
+            [SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=0),
              SamplingParams(repetition_penalty=1.2, temperature=0.9, seed=6),
-             SamplingParams(min_p=0.1, temperature=1.0, seed=7), SamplingParams()],
+             SamplingParams(min_p=0.1, temperature=1.0, seed=7), SamplingParams(temperature=0.0)],
         ]
         for params in mixes:
             reqs = [SampleRequest(p, seed=k, position=5, banned_token_ids=(2,) * (k == 3),

@@ -26,7 +26,8 @@ def case(llama_dir, llama_adapters):
                for k in range(N)]
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(llama_adapters)]
     mixed = [[None, loras[0], loras[1]][k % 3] for k in range(N)]
-    params = [SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True) if k % 2 else
+    params = [SamplingParams(temperature=0.0,
+                             max_tokens=10, logprobs=1, ignore_eos=True) if k % 2 else
               SamplingParams(max_tokens=10, logprobs=0, ignore_eos=True, temperature=0.9,
                              top_p=0.9, seed=5 + k)
               for k in range(N)]
@@ -87,7 +88,8 @@ def test_n_completions_and_prompt_logprobs_with_the_cache(case, llama_dir):
                             logprobs=0)
     ref = plain.generate(prompts[4], params, mixed[4], use_tqdm=False)[0]
     llm = make_llm(llama_dir)
-    llm.generate(prompts[4], SamplingParams(max_tokens=2), mixed[4], use_tqdm=False)
+    llm.generate(prompts[4], SamplingParams(temperature=0.0,
+                                            max_tokens=2), mixed[4], use_tqdm=False)
     out = llm.generate(prompts[4], params, mixed[4], use_tqdm=False)[0]
     assert out.num_cached_tokens == 0  # prompt logprobs score every position: no cache
     assert out.prompt_logprobs == ref.prompt_logprobs
@@ -114,7 +116,7 @@ def test_pages_being_computed_are_shared_on_a_cold_cache(case, llama_dir):
     assert [c.logprobs for c in out.outputs] == [c.logprobs for c in ref.outputs]
     bm = llm.engine.block_manager
     assert bm.num_hit_tokens == 3 * ((len(prompts[4]) - 1) // 16 * 16)  # completions 1-3
-    params = SamplingParams(max_tokens=5, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
     burst = [prompts[k] for k in (0, 3, 6)]  # one adapter (None), one system prompt
     refs = [plain.generate(p, params, None, use_tqdm=False)[0] for p in burst]
     fresh = make_llm(llama_dir)

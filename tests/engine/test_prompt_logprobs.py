@@ -28,7 +28,7 @@ def test_prompt_logprobs_match_hugging_face_and_peft(llama_dir, llama_adapters):
 
     prompts = random_prompts(3, seed=21)
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8, device="cpu")
-    sp = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     lora = LoRARequest("a", 1, str(llama_adapters[0]))
     base = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(llama_dir)),
@@ -38,14 +38,16 @@ def test_prompt_logprobs_match_hugging_face_and_peft(llama_dir, llama_adapters):
                                strict=True):
             scored = out.prompt_logprobs
             assert scored[0] is None and len(scored) == len(prompt)
-            mine = torch.tensor([d[t] for d, t in zip(scored[1:], prompt[1:], strict=True)])
+            mine = torch.tensor([d[t].logprob for d, t in zip(scored[1:], prompt[1:],
+                                                              strict=True)])
             torch.testing.assert_close(mine, _hf_prompt_logprobs(hf, prompt), rtol=0,
                                        atol=1e-4)
             for entry, token in zip(scored[1:], prompt[1:], strict=True):
                 # The prompt token first, then the top 3 (the prompt token once if among them).
                 assert next(iter(entry)) == token and len(entry) in (3, 4)
-                top = list(entry.values())[1:]
+                top = [v.logprob for v in list(entry.values())[1:]]
                 assert top == sorted(top, reverse=True)
+                assert [v.rank for v in list(entry.values())[1:]][-1] == 3
 
 
 def test_prompt_logprobs_keep_their_bits_in_batches_chunks_and_preemption(llama_dir):
@@ -72,22 +74,22 @@ def test_prompt_logprobs_keep_their_bits_in_batches_chunks_and_preemption(llama_
 
 def test_prompt_logprobs_off_and_bad_values(llama_dir):
     llm = LLM(str(llama_dir), device="cpu", max_model_len=64)
-    assert llm.generate([[3, 4, 5]], SamplingParams(max_tokens=1),
+    assert llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=1),
                         use_tqdm=False)[0].prompt_logprobs is None
-    one = llm.generate([[3]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+    one = llm.generate([[3]], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(temperature=0.0, prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs=129 asks for more top tokens"):
-        llm.generate([[3, 4]], SamplingParams(prompt_logprobs=129), use_tqdm=False)
+        llm.generate([[3, 4]], SamplingParams(temperature=0.0, prompt_logprobs=129), use_tqdm=False)
 
 
 def test_the_lm_head_in_blocks_gives_the_same_scores(llama_dir, monkeypatch):
     from detlora.engine import llm_engine
 
     prompts = random_prompts(3, seed=23, lo=10, hi=30)
-    sp = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     llm = LLM(str(llama_dir), device="cpu", max_model_len=64)
     whole = [o.prompt_logprobs for o in llm.generate(prompts, sp, use_tqdm=False)]
     monkeypatch.setattr(llm_engine, "PROMPT_BLOCK", 3)

@@ -21,7 +21,7 @@ def _params(k: int) -> SamplingParams:
     common = dict(max_tokens=6 + 2 * k, logprobs=k % 3, stop_token_ids=STOPS,
                   min_tokens=k % 4)
     if k % 2 == 0:
-        return SamplingParams(**common)
+        return SamplingParams(**common, temperature=0.0)
     return SamplingParams(**common, temperature=0.9, top_p=0.9, top_k=50, seed=100 + k)
 
 
@@ -79,7 +79,7 @@ def _penalized(k: int) -> SamplingParams:
                        frequency_penalty=(0.0, 1.5, -1.0)[k % 3],
                        presence_penalty=(2.0, 0.0, -2.0)[k % 3])
     if k % 2 == 0:
-        return SamplingParams(**common)
+        return SamplingParams(**common, temperature=0.0)
     return SamplingParams(**common, temperature=0.9, top_p=0.9, seed=200 + k)
 
 

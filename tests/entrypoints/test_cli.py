@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from detlora.config import SamplingParams
 from detlora.entrypoints.cli import main
@@ -51,12 +52,13 @@ def test_generate_text_jsonl_with_adapters(demo_assets, tmp_path, capsys):
     # The API gives the same tokens, logprobs and fingerprints.
     llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu")
     loras = [None, LoRARequest("a", 1, str(adapters[0])), LoRARequest("b", 2, str(adapters[1]))]
-    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(max_tokens=5, logprobs=0),
+    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0.0,
+                                                                    max_tokens=5, logprobs=0),
                         loras, use_tqdm=False)
     for g, o in zip(got, outs, strict=True):
         c = o.outputs[0]
         assert g["token_ids"] == c.token_ids and g["text"] == c.text
-        assert g["logprobs"] == [next(iter(d.values())) for d in c.logprobs]
+        assert g["logprobs"] == [next(iter(d.values())).logprob for d in c.logprobs]
         assert g["fingerprint"] == o.fingerprint
     assert got[0]["text"] and all(len(g["token_ids"]) >= 1 for g in got)
 
@@ -141,7 +143,7 @@ def test_generate_n_completions_and_prompt_logprobs(demo_assets, capsys):
     out = llm.generate("the user asks", SamplingParams(max_tokens=6, temperature=1.0, n=3,
                                                        prompt_logprobs=0), use_tqdm=False)[0]
     assert [g["token_ids"] for g in got] == [c.token_ids for c in out.outputs]
-    scored = [None] + [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+    scored = [None] + [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
     assert all(g["prompt_logprobs"] == scored for g in got) and len(scored) >= 2
     assert main(base) == 0
     assert [line.split(" (")[0][-2:] for line in capsys.readouterr().out.splitlines()
@@ -154,11 +156,11 @@ def test_chat_through_the_template(demo_assets):
     model_dir, _ = demo_assets
     llm = LLM(str(model_dir), device="cpu")
     msgs = [{"role": "user", "content": "the user asks a question"}]
-    chat = llm.chat(msgs, SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    chat = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     ids = tok.encode("<|user|> the user asks a question <|assistant|>")
     assert chat.prompt_token_ids == ids
-    same = llm.generate([msgs], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    same = llm.generate([msgs], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert same.outputs[0].token_ids == chat.outputs[0].token_ids
 
 
@@ -177,3 +179,58 @@ def test_progress_bar_draws_counts_and_rate():
     silent = io.StringIO()
     ProgressBar(2, stream=silent, enabled=False).update(2)
     assert silent.getvalue() == ""
+
+
+def test_version(capsys):
+    import detlora
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"detlora {detlora.__version__}"
+
+
+def test_generate_takes_every_engine_argument_with_its_default(capsys):
+    from detlora.engine_args import EngineArgs
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for name in EngineArgs.names():
+        assert "--" + name.replace("_", "-") in text
+    assert "``" not in text and "(default: 16)" in text and "--num-gpu-blocks-override" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--model", "m", "--prompt", "x", "--max-model-len", "ten"],
+     "argument --max-model-len: invalid int value: 'ten'"),
+    (["generate", "--model", "m", "--prompt", "x", "--determinism", "exact"],
+     "argument --determinism: invalid choice: 'exact'"),
+    (["generate", "--prompt", "x"], "the following arguments are required: --model"),
+    (["generate", "--model", "m", "--prompt", "x", "--max-lora-rnk", "8"],
+     "unrecognized arguments: --max-lora-rnk 8 (--max-lora-rnk: did you mean "
+     "--max-lora-rank?)"),
+])
+def test_usage_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert message in err and "(see detlora generate --help)" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--model", "/no/such/model", "--prompt", "x"],
+     "model directory /no/such/model does not exist"),
+    (["generate", "--model", "m", "--prompt", "x", "--quantization", "awq"],
+     "quantization='awq' is not supported"),
+    (["generate", "--model", "m", "--prompt", "x", "--tensor-parallel-size", "2"],
+     "tensor_parallel_size=2"),
+    (["demo", "--quick", "--device", "cuda"] if not torch.cuda.is_available() else
+     ["demo", "--quick", "--gpu-memory-utilization", "2"], "")
+])
+def test_user_errors_are_one_line_without_a_traceback(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"detlora {argv[0]}: error: ") and message in err

@@ -97,7 +97,8 @@ def assets(tmp_path_factory):
 
 
 def _params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True) if k % 2 == 0
+    return [SamplingParams(temperature=0.0,
+                           max_tokens=max_tokens, logprobs=0, ignore_eos=True) if k % 2 == 0
             else SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True,
                                 temperature=0.8, top_p=0.95, seed=k)
             for k in range(n)]
@@ -132,7 +133,7 @@ def test_generates_at_every_level(assets, level):
     for o in outs:
         c = o.outputs[0]
         assert len(c.token_ids) == 24 and all(0 <= t < VOCAB for t in c.token_ids)
-        assert all(v <= 0 for d in c.logprobs for v in d.values())
+        assert all(v.logprob <= 0 for d in c.logprobs for v in d.values())
     assert len({o.fingerprint for o in outs}) == 3  # base, a0, a1
     assert llm.engine.runner.uses_cuda_graphs, llm.engine.runner.graph_error
     # Same batch, same bits, for the levels that promise it.
@@ -190,7 +191,7 @@ def test_n_completions_are_batch_invariant(assets):
 
 def test_prompt_logprobs_are_batch_invariant(assets):
     model_dir, loras, prompts = assets
-    sp = SamplingParams(max_tokens=4, prompt_logprobs=2, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, ignore_eos=True)
     mixed = [loras[k % 2] for k in range(6)]
     llm = _llm(model_dir, determinism="batch_invariant")
     alone = [llm.generate(prompts[k], sp, mixed[k], use_tqdm=False)[0].prompt_logprobs
@@ -210,8 +211,9 @@ def test_stop_strings_are_batch_invariant(tmp_path):
               num_kv_blocks=256)
     prompts = ["the engine reads the prompt and", "a sum in floating point", "the user asks",
                "a kernel writes"]
-    full = llm.generate(prompts, SamplingParams(max_tokens=24), use_tqdm=False)
-    stops = SamplingParams(max_tokens=24, stop=[o.outputs[0].text[20:25] for o in full])
+    full = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    stops = SamplingParams(temperature=0.0,
+                           max_tokens=24, stop=[o.outputs[0].text[20:25] for o in full])
     alone = [llm.generate(p, stops, use_tqdm=False)[0].outputs[0] for p in prompts]
     batch = [o.outputs[0] for o in llm.generate(prompts[::-1], stops, use_tqdm=False)][::-1]
 
@@ -241,7 +243,7 @@ def test_running_one_step_ahead_gives_the_step_by_step_bits(assets, level):
     n = len(prompts)
     stops = tuple(range(2, 2 + VOCAB // 12))
     params = [SamplingParams(max_tokens=8 + 3 * k, logprobs=0, stop_token_ids=stops,
-                             min_tokens=k % 3, **({} if k % 2 == 0 else
+                             min_tokens=k % 3, **(dict(temperature=0.0) if k % 2 == 0 else
                                                   dict(temperature=0.9, top_p=0.9, seed=k)))
               for k in range(n)]
     mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
@@ -399,7 +401,8 @@ def test_runs_ahead_while_requests_queue_for_a_slot(assets):
     n = len(prompts)
     stops = tuple(range(2, 2 + VOCAB // 12))
     params = [SamplingParams(max_tokens=6 + 2 * k, logprobs=0, stop_token_ids=stops,
-                             **({} if k % 2 == 0 else dict(temperature=0.9, seed=k)))
+                             **(dict(temperature=0.0) if k % 2 == 0 else
+                                dict(temperature=0.9, seed=k)))
               for k in range(n)]
     mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
     llm = _llm(model_dir, determinism="batch_invariant", max_num_seqs=4)
@@ -424,7 +427,7 @@ def test_logit_adjustments_are_batch_invariant(assets):
               SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1, seed=k,
                              temperature=0.8, min_p=0.05,
                              allowed_token_ids=[5, 6, 7, 300]) if k % 3 == 1
-              else SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1,
+              else SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
                                   logit_bias={11: 8.0, 12: -100.0})
               for k in range(n)]
     mixed = [loras[k % 2] if k % 4 else None for k in range(n)]

@@ -45,7 +45,7 @@ def test_sampler_kernel_path_gives_the_reference_path_results():
     x, _, _ = _inputs(48, seed=3)
     reqs = []
     for k in range(48):
-        params = (SamplingParams(max_tokens=4, logprobs=2) if k % 3 == 0 else
+        params = (SamplingParams(temperature=0.0, max_tokens=4, logprobs=2) if k % 3 == 0 else
                   SamplingParams(max_tokens=4, logprobs=0, temperature=0.8, top_p=0.95,
                                  top_k=50 if k % 3 == 1 else 0, seed=k))
         reqs.append(SampleRequest(params, seed=1000 + k, position=100 + k))
@@ -167,7 +167,8 @@ def _decode_requests(n: int) -> list[SampleRequest]:
     reqs = []
     for k in range(n):
         if k % 2 == 0:
-            params = SamplingParams(max_tokens=4, logprobs=None if k % 8 == 6 else 0)
+            params = SamplingParams(temperature=0.0,
+                                    max_tokens=4, logprobs=None if k % 8 == 6 else 0)
         else:
             params = SamplingParams(max_tokens=4, logprobs=None if k % 8 == 7 else 0,
                                     temperature=0.8, top_p=0.95,
@@ -195,7 +196,8 @@ def test_sampler_on_bf16_logits_gives_the_fp32_paths_results(n):
     assert new(x, reqs, greedy=new.greedy_head(x)) == want
     assert new(x, reqs) == want
     # A row with top logprobs: the full path.
-    top = [SampleRequest(SamplingParams(max_tokens=4, logprobs=3), seed=5, position=9), *reqs[1:]]
+    top = [SampleRequest(SamplingParams(temperature=0.0,
+                                        max_tokens=4, logprobs=3), seed=5, position=9), *reqs[1:]]
     assert new(x, top, greedy=new.greedy_head(x)) == old(x32, top, greedy=old_head)
 
 
@@ -215,7 +217,8 @@ def test_launching_adjusted_rows_queues_without_a_host_sync():
                                 logit_bias={5: 1.0} if k % 2 else None,
                                 allowed_token_ids=list(range(100, 400)) if k == 3 else None,
                                 min_p=0.1 if k % 2 else 0.0,
-                                **(dict(temperature=0.8, seed=k) if k % 2 else {}))
+                                **(dict(temperature=0.8, seed=k) if k % 2 else
+                                   dict(temperature=0.0)))
         adjust = row_adjust(params, [7, 8, 9], [11, 12, -1], pending_src=k)
         reqs.append(SampleRequest(params, seed=k, position=6, banned_token_ids=(1, 2),
                                   adjust=adjust))
@@ -247,7 +250,7 @@ def test_penalties_on_the_gpu_are_the_cpu_references_bits():
     fed_host = fed.tolist()
     rows, want = [], []
     for i in range(n):
-        params = SamplingParams(repetition_penalty=rng.choice([1.0, 1.2, 0.8]),
+        params = SamplingParams(temperature=0.0, repetition_penalty=rng.choice([1.0, 1.2, 0.8]),
                                 frequency_penalty=rng.choice([0.0, 0.3, -0.2]),
                                 presence_penalty=rng.choice([0.0, 0.5]),
                                 allowed_token_ids=(list(range(0, VOCAB, 7))

@@ -6,7 +6,7 @@ process and event loop, sends it requests and aborts and turns what comes back i
 finish reason). Two threads move the pickled messages (one sends, one receives), so neither a
 full pipe nor a long step ever blocks the event loop.
 
-    llm = await AsyncLLM.start(EngineConfig(model=...), tokenizer_dir=...)
+    llm = await AsyncLLM.start(EngineArgs(model=...), tokenizer_dir=...)
     stream = await llm.add_request("r1", prompt_ids, SamplingParams(max_tokens=32))
     async for delta in stream:          # RequestOutput with DELTA outputs; the last finished
         ...
@@ -39,12 +39,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from detlora.config import EngineConfig, RequestOutputKind, SamplingParams
+from detlora.config import RequestOutputKind, SamplingParams
 from detlora.engine.core_proc import AddRequest, Delta, EngineInfo, EngineStats
 from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.sample.stop_strings import match_stop_string
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.engine_args import EngineArgs
 from detlora.lora.request import LoRARequest
 
 
@@ -184,7 +185,7 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, info: EngineInfo,
+    def __init__(self, config: EngineArgs, tokenizer: Tokenizer | None, info: EngineInfo,
                  process: Any, conn_in: Any, conn_out: Any, max_unfinished: int) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -212,7 +213,7 @@ class AsyncLLM:
         self._receiver.start()
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, tokenizer_dir: str | None = None,
+    async def start(cls, config: EngineArgs, *, tokenizer_dir: str | None = None,
                     max_unfinished: int | None = None,
                     torch_threads: int | None = None) -> AsyncLLM:
         """Spawn the engine process and wait until its engine is built (ValueError with the

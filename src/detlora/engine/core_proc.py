@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from detlora.config import EngineConfig, SamplingParams
+from detlora.config import SamplingParams
+from detlora.engine_args import EngineArgs
 from detlora.lora.request import LoRARequest
 
 
@@ -206,7 +207,7 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineConfig,
+def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArgs,
                     tokenizer_dir: str | None, torch_threads: int | None = None) -> None:
     """Process entry point: build the engine, say ready (or why not), run the loop."""
     try:
@@ -240,7 +241,7 @@ def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineCon
 
 def main(argv: list[str]) -> None:
     """``python -m detlora.engine.core_proc FD_IN FD_OUT``: the pipes' descriptors; the first
-    message on FD_IN is (EngineConfig, tokenizer dir, torch threads)."""
+    message on FD_IN is (EngineArgs, tokenizer dir, torch threads)."""
     import signal
 
     # A terminal's Ctrl-C or a SIGTERM to the group reaches this process too: the front end

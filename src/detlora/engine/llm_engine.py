@@ -13,16 +13,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from detlora.config import Determinism, EngineConfig, RequestOutputKind, SamplingParams
+from detlora.config import Determinism, RequestOutputKind, SamplingParams
 from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
-from detlora.engine.outputs import CompletionOutput, RequestOutput
+from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from detlora.engine.prompts import token_id_list
 from detlora.engine.runner import kv_sizing
 from detlora.engine.runner.model_runner import ModelRunner
 from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
@@ -42,6 +44,7 @@ from detlora.engine.sched.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sched.sequence import FinishReason
 from detlora.engine.sched.sequence import Sequence as Seq
 from detlora.engine.tokenizer import Tokenizer
+from detlora.engine_args import EngineArgs
 from detlora.layers.backend import make_backend
 from detlora.lora.request import LoRARequest
 from detlora.lora.stats import LoRAStats
@@ -51,6 +54,8 @@ if TYPE_CHECKING:
 
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
 PREFETCH_DEPTH = 2  # adapters read ahead: this many times max_loras, from the waiting queue
+# What an engine holds on the device (directly or through its parts): dropped by shutdown().
+_HELD = ("runner", "model", "lora_manager", "sampler", "backend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +111,16 @@ def stop_token_ids_of(model_dir: str | Path) -> tuple[int, ...]:
 class LLMEngine:
     def __init__(
         self,
-        config: EngineConfig,
+        config: EngineArgs,
         *,
         detokenize: Callable[[list[int]], str] | None = None,
+        token_text: Callable[[int], str] | None = None,
         extra_eos_token_ids: Sequence[int] = (),
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """``tokenizer``: the model's, for structured outputs (``detokenize`` defaults to its
-        ``decode``)."""
+        ``decode``); ``token_text``: one token alone, as text (the ``decoded_token`` of
+        logprobs). Without them outputs carry no text."""
         from detlora.layers.lora_slots import LoRAConfig
         from detlora.models.loader import load_model
         from detlora.models.spec import ModelSpec
@@ -121,6 +128,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.detokenize = detokenize or (tokenizer.decode if tokenizer is not None else None)
+        self.token_text = token_text
         self._grammars: GrammarBackend | None = None
         spec = ModelSpec.from_dir(config.model)
         self.device = resolve_device(config.device)
@@ -161,7 +169,8 @@ class LLMEngine:
         # The runner hands over the LM head's output in the model's dtype (not upcast).
         self.sampler = Sampler(backend.argmax, backend.log_softmax,
                                chosen_logprob=backend.chosen_logprob, logits_dtype=self.dtype,
-                               kernels=backend.sampling_kernels)
+                               kernels=backend.sampling_kernels,
+                               logprobs_mode=config.logprobs_mode)
         self.runner = ModelRunner(
             self.model, greedy_head=self.sampler.greedy_head, device=self.device,
             num_blocks=num_blocks, block_size=config.block_size,
@@ -189,6 +198,8 @@ class LLMEngine:
             "enable_chunked_prefill": config.enable_chunked_prefill, "num_kv_blocks": num_blocks,
             "enable_prefix_caching": config.resolved_prefix_caching,
         }
+        if config.logprobs_mode.value != "raw_logprobs":  # what logprobs report
+            settings["logprobs_mode"] = config.logprobs_mode.value
         self._fingerprint_parts = engine_fingerprint_parts(
             weights_hash=self.model.weights_hash(), dtype=self.dtype, device=self.device,
             backend=backend.describe(), settings=settings,
@@ -200,6 +211,7 @@ class LLMEngine:
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
+        self.is_shut_down = False
 
     # ---- setup ----
 
@@ -243,14 +255,16 @@ class LLMEngine:
                       lora: LoRARequest | None,
                       label_token_ids: Sequence[int] | None = None) -> None:
         """Raise ValueError for a request the engine could never run."""
+        self._check_running()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        n = len(prompt_token_ids)
+        ids = token_id_list(prompt_token_ids, "prompt_token_ids")
+        n = len(ids)
         if n == 0:
             raise ValueError("a prompt must have at least one token")
         vocab = self.spec.vocab_size
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        for t in ids:
+            if not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has "
@@ -314,13 +328,14 @@ class LLMEngine:
         """One completion of a prompt: ``sample_index`` i < ``params.n`` picks its seed (see
         ``SamplingParams``). ``label_token_ids``: report the raw logprobs of the first output
         position at these ids (``RequestOutput.label_logprobs``; decisions read them)."""
+        self._check_running()
         self.check_request(prompt_token_ids, params, lora, label_token_ids)
         index = next(self._counter)
         if params.seed is None:
             seed = derive_seed(self.config.seed, index)
         else:
             seed = params.seed if sample_index == 0 else derive_seed(params.seed, sample_index)
-        ids = [int(t) for t in prompt_token_ids]
+        ids = token_id_list(prompt_token_ids, "prompt_token_ids")
         seq = Seq(
             seq_id=index,
             request_id=request_id if request_id is not None else str(index),
@@ -331,6 +346,7 @@ class LLMEngine:
             max_len=self._max_len(len(ids), params),
             lora=lora,
             label_token_ids=None if label_token_ids is None else tuple(label_token_ids),
+            arrival_time=time.time(),
         )
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
@@ -416,6 +432,27 @@ class LLMEngine:
             raise ValueError("this engine was built with enable_lora=False: it has no adapters")
         return self.lora_manager
 
+    def shutdown(self) -> None:
+        """Drop every request and let go of the model, KV cache, CUDA graphs and adapters, so
+        that their memory can return to the device; the engine cannot run afterwards.
+        Calling it again does nothing."""
+        if self.is_shut_down:
+            return
+        self.abort_all()
+        self.is_shut_down = True
+        for name in _HELD:
+            if hasattr(self, name):
+                delattr(self, name)
+        import gc
+
+        gc.collect()  # reference cycles among what was dropped hold device memory
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_running(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down: build a new one")
+
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
@@ -442,6 +479,7 @@ class LLMEngine:
         stop token) is dropped, and a queued request takes the freed slot one step later;
         under batch_invariant the bits do not depend on either (``_launch_ahead``).
         """
+        self._check_running()
         if self._inflight is None:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
@@ -466,6 +504,10 @@ class LLMEngine:
         ``fed_rows[i]``: the previous step's row whose token is sequence i's input."""
         self.num_steps += 1
         seqs = [s.seq for s in sched.scheduled]
+        now = time.time()
+        for seq in seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         slots = [-1] * len(seqs)
         if self.lora_manager is not None:
             slots = self.lora_manager.activate([s.lora for s in seqs])
@@ -553,6 +595,7 @@ class LLMEngine:
         """Read a launched step's tokens into its sequences; the sequences that got one."""
         results = inflight.pending.result()
         touched: list[Seq] = []
+        now = time.time()
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
             if seq.is_finished:
                 continue  # finished by the step before: this row ran ahead for nothing
@@ -563,8 +606,12 @@ class LLMEngine:
                 touched.append(seq)
                 continue
             seq.token_ids[pos] = result.token_id
+            seq.last_token_time = now
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
+                seq.logprob_ranks.append(result.ranks)
             self.block_manager.register(seq)  # a page that waited for this token
             reason = self._finish_reason(seq, result.token_id, pos + 1)
             if reason is None and isinstance(seq.grammar, GrammarMatcher):
@@ -598,14 +645,16 @@ class LLMEngine:
         targets = [seq.token_ids[p + 1]
                    for seq, p in zip(owners, step.prompt_row_positions, strict=True)]
         top_n = [seq.params.prompt_logprobs for seq in owners]
-        scored: list[dict[int, float]] = []
+        scored: list[tuple[dict[int, float], tuple[int, ...]]] = []
         for lo in range(0, len(owners), PROMPT_BLOCK):
             logits = self.runner.prompt_logits(hidden[lo: lo + PROMPT_BLOCK])
             scored += self.sampler.prompt_logprobs(logits, targets[lo: lo + PROMPT_BLOCK],
                                                    top_n[lo: lo + PROMPT_BLOCK])
-        for seq, p, entry in zip(owners, step.prompt_row_positions, scored, strict=True):
+        for seq, p, (entry, ranks) in zip(owners, step.prompt_row_positions, scored,
+                                          strict=True):
             assert p == len(seq.prompt_logprobs)
             seq.prompt_logprobs.append(entry)
+            seq.prompt_logprob_ranks.append(ranks)
 
     def _stop_ids(self, seq: Seq) -> tuple[int, ...]:
         eos = () if seq.params.ignore_eos else self.eos_token_ids
@@ -662,7 +711,11 @@ class LLMEngine:
         out_ids = seq.token_ids[seq.num_prompt_tokens: seq.num_prompt_tokens + num_read]
         start = seq.num_reported if delta else 0
         text = self._text_of(seq, out_ids, delta)
-        lps = seq.logprobs[start:num_read] if params.logprobs is not None else None
+        lps = None
+        if params.logprobs is not None:
+            lps = [self._logprobs_entry(d, ranks) for d, ranks in
+                   zip(seq.logprobs[start:num_read], seq.logprob_ranks[start:num_read],
+                       strict=True)]
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -684,10 +737,19 @@ class LLMEngine:
             outputs=[completion],
             finished=seq.is_finished,
             fingerprint=self.fingerprint_of(seq.lora),
-            prompt_logprobs=None if params.prompt_logprobs is None or not first
-            else [None, *seq.prompt_logprobs],
+            prompt_logprobs=None if params.prompt_logprobs is None or not first else [None, *(
+                self._logprobs_entry(d, ranks)
+                for d, ranks in zip(seq.prompt_logprobs, seq.prompt_logprob_ranks, strict=True))],
             num_cached_tokens=seq.num_cached_tokens or 0,
             label_logprobs=seq.label_logprobs,
+            lora_request=seq.lora,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_scheduled_time=seq.first_scheduled_time,
+                first_token_time=seq.first_token_time,
+                last_token_time=seq.last_token_time,
+                finished_time=time.time() if seq.is_finished else None,
+            ),
         )
 
     def _text_of(self, seq: Seq, out_ids: list[int], delta: bool) -> str:
@@ -706,3 +768,10 @@ class LLMEngine:
         new = (detok.finish(out_ids, seq.text_end) if seq.is_finished
                else detok.update(out_ids))
         return new if delta else detok.text
+
+    def _logprobs_entry(self, values: dict[int, float],
+                        ranks: Sequence[int]) -> dict[int, Logprob]:
+        """One position's {token id: Logprob}, ``ranks`` in the entries' order."""
+        text = self.token_text
+        return {token: Logprob(value, rank, None if text is None else text(token))
+                for (token, value), rank in zip(values.items(), ranks, strict=True)}

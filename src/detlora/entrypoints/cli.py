@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 
 def _prepare_runtime() -> bool:
@@ -37,12 +39,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     has_cuda = _prepare_runtime()
     from detlora.study.replay_table import run_replay_table
 
-    try:
-        run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden,
-                         rank=args.rank)
-    except ValueError as e:  # e.g. a rank above the kernels' maximum
-        print(f"detlora replay: {e}", file=sys.stderr)
-        return 2
+    run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden, rank=args.rank)
     return 0
 
 
@@ -79,56 +76,53 @@ def _read_prompts(args: argparse.Namespace) -> list[dict]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     _prepare_runtime()
     from detlora.config import SamplingParams
+    from detlora.engine_args import EngineArgs
     from detlora.entrypoints.llm import LLM
     from detlora.lora.request import LoRARequest
 
-    try:
-        if args.prompt_logprobs and not args.json:
-            raise ValueError("--prompt-logprobs prints with --json only")
-        loras: dict[str, LoRARequest] = {}
-        for k, spec in enumerate(args.lora or []):
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
-            if name in loras:
-                raise ValueError(f"--lora {name}= is given twice")
-            if not Path(path).is_dir():  # before the model loads, not when a prompt needs it
-                raise ValueError(f"--lora {name}: adapter directory {path} does not exist")
-            loras[name] = LoRARequest(name, k + 1, path)
-        rows = _read_prompts(args)
-        for row in rows:
-            if row["lora"] is not None and row["lora"] not in loras:
-                raise ValueError(f"prompt names adapter {row['lora']!r}, but no --lora "
-                                 f"{row['lora']}=DIR was given (known: {sorted(loras)})")
-        params = SamplingParams(max_tokens=args.max_tokens, n=args.n,
-                                temperature=args.temperature,
-                                prompt_logprobs=0 if args.prompt_logprobs else None,
-                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                stop=args.stop or (),
-                                repetition_penalty=args.repetition_penalty,
-                                presence_penalty=args.presence_penalty,
-                                frequency_penalty=args.frequency_penalty,
-                                logprobs=0 if args.json else None)
-        llm = LLM(args.model, enable_lora=bool(loras), max_loras=max(1, min(len(loras), 8)),
-                  max_lora_rank=args.max_lora_rank, determinism=args.determinism,
-                  device=args.device, dtype=args.dtype, seed=args.seed,
-                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                  enable_prefix_caching=args.enable_prefix_caching)
-        outs = llm.generate([row["prompt"] for row in rows], params,
-                            [loras.get(row["lora"]) if row["lora"] else None for row in rows],
-                            use_tqdm=len(rows) > 1)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"detlora generate: {e}", file=sys.stderr)
-        return 2
+    if args.prompt_logprobs and not args.json:
+        raise ValueError("--prompt-logprobs prints with --json only")
+    loras: dict[str, LoRARequest] = {}
+    for k, spec in enumerate(args.lora or []):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
+        if name in loras:
+            raise ValueError(f"--lora {name}= is given twice")
+        if not Path(path).is_dir():  # before the model loads, not when a prompt needs it
+            raise ValueError(f"--lora {name}: adapter directory {path} does not exist")
+        loras[name] = LoRARequest(name, k + 1, path)
+    rows = _read_prompts(args)
+    for row in rows:
+        if row["lora"] is not None and row["lora"] not in loras:
+            raise ValueError(f"prompt names adapter {row['lora']!r}, but no --lora "
+                             f"{row['lora']}=DIR was given (known: {sorted(loras)})")
+    params = SamplingParams(max_tokens=args.max_tokens, n=args.n,
+                            temperature=args.temperature,
+                            prompt_logprobs=0 if args.prompt_logprobs else None,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            stop=args.stop or (),
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            logprobs=args.logprobs if args.logprobs is not None
+                            else 0 if args.json else None)
+    engine_args = EngineArgs.from_cli_args(args, enable_lora=args.enable_lora or bool(loras))
+    llm = LLM(**dataclasses.asdict(engine_args))
+    outs = llm.generate([row["prompt"] for row in rows], params,
+                        [loras.get(row["lora"]) if row["lora"] else None for row in rows],
+                        use_tqdm=len(rows) > 1)
     for row, out in zip(rows, outs, strict=True):
         scored = None if out.prompt_logprobs is None else [
-            None if d is None else next(iter(d.values())) for d in out.prompt_logprobs]
+            None if d is None else next(iter(d.values())).logprob for d in out.prompt_logprobs]
         for c in out.outputs:  # --n completions of the prompt
             if args.json:
                 print(json.dumps({
                     "prompt": row["prompt"], "lora": row["lora"], "index": c.index,
                     "text": c.text, "token_ids": c.token_ids,
-                    "logprobs": [next(iter(d.values())) for d in c.logprobs or []],
+                    "logprobs": [next(iter(d.values())).logprob for d in c.logprobs or []],
+                    **({} if not args.logprobs else {"top_logprobs": [
+                        {str(t): lp.logprob for t, lp in d.items()} for d in c.logprobs]}),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     "num_cached_tokens": out.num_cached_tokens, "fingerprint": out.fingerprint,
                     **({} if scored is None else {"prompt_logprobs": scored}),
@@ -146,13 +140,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _prepare_runtime()
     import torch
 
+    from detlora.engine_args import EngineArgs
     from detlora.entrypoints.demo import run_demo
 
     if args.device == "cpu" or not torch.cuda.is_available():
         # Tiny matrices: thread fan-out costs more than it gains (and suffers on busy hosts).
         torch.set_num_threads(1)
     levels = args.levels.split(",") if args.levels else None
-    results = run_demo(quick=args.quick, levels=levels, device=args.device)
+    engine = {f: getattr(args, f) for f in EngineArgs.names() if hasattr(args, f)}
+    EngineArgs(model="demo", **engine)  # a bad value fails here, before any model is built
+    results = run_demo(quick=args.quick, levels=levels, engine=engine)
     bad = [r for r in results if r.level == "batch_invariant" and r.differing]
     return 1 if bad else 0
 
@@ -162,6 +159,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from detlora.entrypoints.openai.cli_args import run_serve
 
     return run_serve(args)
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line: what is wrong, and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from detlora import __version__
+
+    return f"detlora {__version__}"
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
@@ -206,8 +214,11 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="detlora", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from detlora.engine_args import EngineArgs
+
+    parser = _Parser(prog="detlora", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser(
         "replay",
@@ -216,45 +227,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executions", type=_int_at_least(2), default=None,
                    help="executions per reduction (default: 200 on GPU, 4 on CPU)")
     p.add_argument("--hidden", type=_int_at_least(1), default=None,
-                   help="hidden size (default 3072 on GPU, 320 on CPU)")
-    p.add_argument("--rank", type=_int_at_least(1), default=16)
+                   help="hidden size (default: 3072 on GPU, 320 on CPU)")
+    p.add_argument("--rank", type=_int_at_least(1), default=16, help="adapter rank "
+                   "(default: 16)")
     p.set_defaults(func=_cmd_replay)
 
     g = sub.add_parser("generate", help="generate text with a model (and LoRA adapters)")
-    g.add_argument("--model", required=True, help="Hugging Face model directory")
-    g.add_argument("--lora", action="append", metavar="NAME=DIR",
-                   help="a PEFT adapter directory, by name (repeatable)")
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_argument_group("prompts").add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (text)")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help='one JSON object per line: {"prompt": ..., "lora": NAME}')
-    g.add_argument("--prompt-lora", metavar="NAME", help="the adapter for --prompt")
-    g.add_argument("--determinism", choices=["fast", "run_to_run", "batch_invariant"],
-                   default=None, help="default: batch_invariant")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1, help="completions per prompt")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--prompt-logprobs", action="store_true",
+    io = g.add_argument_group("prompts and output")
+    io.add_argument("--prompt-lora", metavar="NAME", help="the adapter for --prompt")
+    io.add_argument("--lora", action="append", metavar="NAME=DIR",
+                    help="a PEFT adapter directory, by name (repeatable; turns on "
+                         "--enable-lora)")
+    io.add_argument("--json", action="store_true",
+                    help="one JSON line per completion: text, token ids, logprobs, fingerprint")
+    s = g.add_argument_group("sampling (SamplingParams; greedy unless --temperature)")
+    s.add_argument("--max-tokens", type=_int_at_least(1), default=64,
+                   help="output tokens per completion (default: 64)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (default: 0; the API's SamplingParams defaults to 1, "
+                        "as vLLM's)")
+    s.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    s.add_argument("--top-k", type=int, default=-1, help="-1: off (default: -1)")
+    s.add_argument("--min-p", type=float, default=0.0, help="(default: 0.0)")
+    s.add_argument("--n", type=_int_at_least(1), default=1,
+                   help="completions per prompt (default: 1)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: 1.0)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="(default: 0.0)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="(default: 0.0)")
+    s.add_argument("--logprobs", type=_int_at_least(0), default=None,
+                   help="with --json: also the top N tokens' logprobs at each position "
+                        "(default: the chosen token's only)")
+    s.add_argument("--prompt-logprobs", action="store_true",
                    help="with --json: each prompt token's logprob (the first: null)")
-    g.add_argument("--stop", action="append", metavar="TEXT",
+    s.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable; excluded from it)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for sampled requests")
-    g.add_argument("--max-lora-rank", type=int, default=64)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="reuse the KV pages of shared prompt prefixes "
-                                      "(default: on at batch_invariant only)")
-    g.add_argument("--json", action="store_true",
-                   help="one JSON line per prompt: text, token ids, logprobs, fingerprint")
+    EngineArgs.add_cli_args(g)
     g.set_defaults(func=_cmd_generate)
 
     d = sub.add_parser("demo", help="bit-identical outputs across batch sizes, on a tiny "
@@ -262,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     d.add_argument("--levels", default=None,
                    help="comma-separated determinism levels (default: all the device shows)")
-    d.add_argument("--device", default="auto")
+    EngineArgs.add_cli_args(d, exclude=_DEMO_SETS)
     d.set_defaults(func=_cmd_demo)
 
     from detlora.entrypoints.openai.cli_args import add_serve_args
@@ -305,10 +316,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Engine options the demo chooses itself, check by check.
+_DEMO_SETS = ("model", "determinism", "enable_lora", "max_loras", "max_lora_rank",
+              "num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
+              "enable_prefix_caching", "enable_chunked_prefill", "tokenizer",
+              "skip_tokenizer_init", "revision", "tokenizer_revision", "download_dir")
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> NoReturn:
+    """A usage error naming the unknown options and the command's closest ones."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command_parser = sub.choices[command]
+    known = [o for a in command_parser._actions for o in a.option_strings]
+    hints = []
+    for word in extra:
+        close = difflib.get_close_matches(word.split("=")[0], known, n=1) \
+            if word.startswith("--") else []
+        if close:
+            hints.append(f"{word.split('=')[0]}: did you mean {close[0]}?")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    command_parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; a user error (a bad value, a missing file) is one line on stderr and
+    exit status 2, never a traceback."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
-    return args.func(args)
+    if extra:
+        _unrecognized(parser, args.command, extra)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"detlora {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"detlora {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import gc
 import json
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,13 +178,17 @@ def _same(a, b) -> bool:
 
 def run_demo(
     *, quick: bool = False, levels: Sequence[str] | None = None, device: str = "auto",
-    log: Callable[[str], None] = print,
+    engine: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
 ) -> list[CheckResult]:
+    """Run every check at every level; ``engine``: further ``LLM`` arguments (device, dtype,
+    ...) for every engine the demo builds."""
     from detlora.config import SamplingParams
     from detlora.entrypoints.llm import LLM
     from detlora.lora.request import LoRARequest
 
-    on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    engine = {"device": device, **(engine or {})}
+    device = engine["device"]
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if levels is None:
         levels = ["batch_invariant", "run_to_run", "fast"] if on_gpu \
             else ["batch_invariant", "run_to_run"]
@@ -199,7 +204,7 @@ def run_demo(
         mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
         # Greedy for half the prompts, seeded sampling for the rest; logprobs for all.
         params = [
-            SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
             if k % 2 == 0 else
             SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True,
                            temperature=0.8, top_p=0.9, seed=1000 + k)
@@ -211,8 +216,8 @@ def run_demo(
         for level in levels:
             # The checks below recompute every prompt; the last one turns the cache on.
             llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                      determinism=level, device=device, max_num_seqs=64,
-                      enable_prefix_caching=False)
+                      determinism=level, max_num_seqs=64, enable_prefix_caching=False,
+                      **engine)
             alone = [llm.generate(prompts[k], params[k], mixed[k], use_tqdm=False)[0]
                      for k in range(n)]
 
@@ -238,8 +243,8 @@ def run_demo(
             record("reverse arrival order vs alone", batched(range(n - 1, -1, -1), n))
             record("mixed adapters in one batch vs alone", full)
             small = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                        determinism=level, device=device, num_kv_blocks=16, block_size=4,
-                        max_num_batched_tokens=16, enable_prefix_caching=False)
+                        determinism=level, num_kv_blocks=16, block_size=4,
+                        max_num_batched_tokens=16, enable_prefix_caching=False, **engine)
             pre = small.generate(prompts, params, mixed, use_tqdm=False)
             record(f"preempted ({small.engine.scheduler.num_preemptions}x), chunked vs alone",
                    pre)
@@ -250,8 +255,8 @@ def run_demo(
                           for k in range(n)]
             # A fixed KV cache: on a GPU ``llm`` still holds most of the memory.
             cached = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                         determinism=level, device=device, max_num_seqs=64,
-                         num_kv_blocks=256, enable_prefix_caching=True)
+                         determinism=level, max_num_seqs=64, num_kv_blocks=256,
+                         enable_prefix_caching=True, **engine)
             cached.generate(prompts, params, mixed, use_tqdm=False)
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)

@@ -3,27 +3,27 @@
     llm = LLM("path/to/model", enable_lora=True, determinism="batch_invariant")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, logprobs=0),
                         lora_request=[LoRARequest("tox", 1, "path/to/adapter"), None])
-    outs[0].outputs[0].token_ids, .text, .logprobs, outs[0].fingerprint
+    outs[0].outputs[0].token_ids, .text, .logprobs[0][token].logprob, outs[0].fingerprint
+
+Its keyword arguments are the fields of ``detlora.EngineArgs`` (vLLM's names where vLLM has
+the option).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from detlora.config import (
-    Determinism,
-    EngineConfig,
-    LoRAReduction,
-    RequestOutputKind,
-    SamplingParams,
-)
+from detlora.config import RequestOutputKind, SamplingParams
 from detlora.decisions import answer, parse_questions, plan_reads
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.engine_args import EngineArgs
 from detlora.entrypoints.progress import ProgressBar
 from detlora.lora.request import LoRARequest
 from detlora.models.spec import ModelSpec
@@ -41,57 +41,41 @@ class Decision:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        tokenizer: str | Path | None = None,
-        enable_lora: bool = False,
-        max_lora_rank: int = 16,
-        max_loras: int = 4,
-        max_cpu_loras: int | None = None,
-        determinism: Determinism | str | None = None,
-        lora_reduction: LoRAReduction | str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.85,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool | None = None,
-        enforce_eager: bool = False,
-        seed: int = 0,
-    ) -> None:
-        model = str(model)
+    def __init__(self, model: str | Path, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs("LLM()", model=str(model), **kwargs)
+        model = args.model
         if not Path(model).is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
-        self.config = EngineConfig(
-            model=model, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
-            max_loras=max_loras, max_cpu_loras=max_cpu_loras, determinism=determinism,
-            lora_reduction=lora_reduction,
-            dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            block_size=block_size, num_kv_blocks=num_kv_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-        )
+        for name in ("revision", "tokenizer_revision", "download_dir"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"{name}={getattr(args, name)!r} applies to Hub model ids, "
+                                 f"but {model} is a local directory")
+        self.engine_args = args
         ModelSpec.from_dir(model)  # config.json before the tokenizer, whose errors misname it
-        tok_dir = str(tokenizer) if tokenizer is not None else model
-        self.tokenizer: Tokenizer | None = None
-        if tokenizer is not None or has_tokenizer(tok_dir):
-            self.tokenizer = Tokenizer(tok_dir)
+        tok_dir = args.tokenizer if args.tokenizer is not None else model
+        self._tokenizer: Tokenizer | None = None
+        if not args.skip_tokenizer_init and (args.tokenizer is not None
+                                             or has_tokenizer(tok_dir)):
+            self._tokenizer = Tokenizer(tok_dir, mode=args.tokenizer_mode,
+                                        trust_remote_code=args.trust_remote_code)
+        tok = self._tokenizer
         self.engine = LLMEngine(
-            self.config,
-            extra_eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else (),
-            tokenizer=self.tokenizer,
+            args,
+            detokenize=tok.decode if tok else None,
+            token_text=tok.token_text if tok else None,
+            extra_eos_token_ids=tok.eos_token_ids if tok else (),
+            tokenizer=tok,
         )
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.tokenizer
+    @property
+    def config(self) -> EngineArgs:
+        """The engine arguments this LLM was built with."""
+        return self.engine_args
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (None with ``skip_tokenizer_init`` or a model directory
+        without one)."""
+        return self._tokenizer.hf if self._tokenizer is not None else None
 
     def register_lora(self, lora_request: LoRARequest) -> None:
         """Register an adapter by path without reading it (``LLMEngine.register_lora``)."""
@@ -113,16 +97,32 @@ class LLM:
         """Forget every cached KV page; later prompts compute their prefixes again."""
         return self.engine.reset_prefix_cache()
 
-    def _token_ids(self, p: Prompt, where: str) -> tuple[list[int], str | None]:
+    # ---- lifetime ----
+
+    def shutdown(self) -> None:
+        """Release the engine's model, KV cache and graphs now (vLLM's ``shutdown``); the
+        LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- generation ----
+
+    def _token_ids(self, p: Prompt, where: str,
+                   chat: Mapping[str, Any]) -> tuple[list[int], str | None]:
         if p.token_ids is not None:
             return list(p.token_ids), p.text
-        if self.tokenizer is None:
-            raise ValueError(f"{where} is text or chat, but the model directory has no "
-                             "tokenizer: pass token ids")
+        if self._tokenizer is None:
+            raise ValueError(f"{where} is text or chat, but the engine has no tokenizer: pass "
+                             "token ids")
         if p.messages is not None:
-            return self.tokenizer.encode_chat(p.messages), None
+            return self._tokenizer.encode_chat(p.messages, **chat), None
         assert p.text is not None
-        return self.tokenizer.encode(p.text), p.text
+        return self._tokenizer.encode(p.text), p.text
 
     def generate(
         self,
@@ -131,7 +131,13 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; outputs come back in prompt order."""
+        """Generate for one prompt or a list; outputs come back in prompt order.
+        ``sampling_params=None`` takes ``SamplingParams()`` (vLLM's defaults: temperature 1,
+        16 tokens)."""
+        return self._generate(prompts, sampling_params, lora_request, use_tqdm, {})
+
+    def _generate(self, prompts: object, sampling_params: object, lora_request: object,
+                  use_tqdm: bool, chat: Mapping[str, Any]) -> list[RequestOutput]:
         parsed = parse_prompts(prompts)
         n = len(parsed)
         params = per_prompt(sampling_params if sampling_params is not None else SamplingParams(),
@@ -139,7 +145,7 @@ class LLM:
         loras = per_prompt(lora_request, n, "lora_request",
                            lambda x: x is None or isinstance(x, LoRARequest))
         # Check every request before adding any, so a bad one leaves the engine untouched.
-        encoded = [self._token_ids(p, f"prompts[{i}]") for i, p in enumerate(parsed)]
+        encoded = [self._token_ids(p, f"prompts[{i}]", chat) for i, p in enumerate(parsed)]
         for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
             self.engine.check_request(ids, sp, lr)
         # Completion 0 scores the prompt (prompt_logprobs) for all n of them; each request
@@ -169,8 +175,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations, rendered by the
+        tokenizer's chat template (or ``chat_template``), vLLM's arguments."""
         if isinstance(messages, (list, tuple)) and messages and all(
             isinstance(m, dict) for m in messages
         ):
@@ -182,7 +195,19 @@ class LLM:
         ):
             raise ValueError("chat takes a list of {'role', 'content'} messages, or a list of "
                              "such conversations")
-        return self.generate(list(messages), sampling_params, lora_request, use_tqdm)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a template string, got "
+                             f"{type(chat_template).__name__}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError("chat_template_kwargs must be a dict")
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        chat = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+                "chat_template_kwargs": chat_template_kwargs, "tools": tools}
+        return self._generate(list(messages), sampling_params, lora_request, use_tqdm, chat)
 
     def decide(
         self,
@@ -196,7 +221,7 @@ class LLM:
         ``questions`` maps ids to {"type": "noul" | "choice" | "score", "criteria": ...,
         "instructions"?: ...}. One read per question, all questions in one batch (they share
         the state's prefix pages); equal fingerprints give equal probabilities."""
-        reads = plan_reads(self.tokenizer, state, parse_questions(questions), instructions)
+        reads = plan_reads(self._tokenizer, state, parse_questions(questions), instructions)
         sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
         for r in reads:
@@ -231,3 +256,18 @@ class LLM:
         finally:
             bar.close()
         return [by_id[s.request_id] for s in seqs]
+
+
+def _signature() -> inspect.Signature:
+    """``LLM.__init__``'s signature as ``help()`` and editors show it: the engine arguments."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation="str | Path")]
+    for f in dataclasses.fields(EngineArgs):
+        if f.name != "model":
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

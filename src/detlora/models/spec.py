@@ -1,7 +1,10 @@
 """What a model is, read from a Hugging Face ``config.json`` and checked field by field.
 
 Reads both spellings transformers has used: ``rope_theta`` + ``rope_scaling`` (4.x) and
-``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x).
+``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x). Every number is checked
+finite and in range, and checkpoint features the engine does not implement (quantized
+weights, soft-capping, partial rotary, sliding windows) are refused by name: loading them
+as if they were plain weights would run garbage.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ _ROPE_TYPES = ("default", "llama3")
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
+# Bounds on config sizes: token ids are int32 on the device, positions index int32 tables.
+_MAX_SIZE = 1 << 24
+_MAX_TOKENS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class ModelSpec:
     def from_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelSpec:
         r = _Reader(cfg, source)
         arch = _architecture(cfg, source)
+        _refuse_unsupported(cfg, source)
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")
         kv_heads = r.int("num_key_value_heads", default=heads)
@@ -110,17 +117,17 @@ class ModelSpec:
         theta, scaling = _rope(cfg, source)
         return cls(
             architecture=arch,
-            vocab_size=r.int("vocab_size"),
+            vocab_size=r.int("vocab_size", high=_MAX_TOKENS),
             hidden_size=hidden,
             intermediate_size=r.int("intermediate_size"),
             num_layers=r.int("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=r.float("rms_norm_eps", default=1e-6),
+            rms_norm_eps=r.float("rms_norm_eps", default=1e-6, below=1.0),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=r.int("max_position_embeddings"),
+            max_position_embeddings=r.int("max_position_embeddings", high=_MAX_TOKENS),
             tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
             attention_bias=r.bool("attention_bias", default=False),
             mlp_bias=r.bool("mlp_bias", default=False),
@@ -145,17 +152,20 @@ class _Reader:
             return default
         return value
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def int(self, key: str, default: int | None = None, high: int = _MAX_SIZE) -> int:
         v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{self.source}: {key} must be a positive integer, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= high:
+            raise ValueError(f"{self.source}: {key} must be an integer in [1, {high}], "
+                             f"got {v!r}")
         return v
 
-    def float(self, key: str, default: float | None = None) -> float:
+    def float(self, key: str, default: float | None = None,
+              below: float | None = None) -> float:
         v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or v <= 0:
-            raise ValueError(f"{self.source}: {key} must be a positive number, got {v!r}")
+        if not _positive(v) or (below is not None and v >= below):
+            upper = "" if below is None else f" below {below}"
+            raise ValueError(f"{self.source}: {key} must be a finite positive number{upper}, "
+                             f"got {v!r}")
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -165,6 +175,31 @@ class _Reader:
         if not isinstance(v, bool):
             raise ValueError(f"{self.source}: {key} must be true or false, got {v!r}")
         return v
+
+
+def _positive(v: object) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) \
+        and v > 0
+
+
+def _refuse_unsupported(cfg: Mapping[str, Any], source: str) -> None:
+    """Refuse, by name, what config.json asks for that the engine does not implement."""
+    for key in ("quantization_config", "compression_config"):
+        q = cfg.get(key)
+        if q:
+            method = q.get("quant_method") or q.get("format") if isinstance(q, dict) else None
+            what = f" ({method})" if method else ""
+            raise ValueError(
+                f"{source}: {key}{what}: quantized checkpoints are not supported; detlora "
+                "loads unquantized float32, bfloat16 or float16 weights")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{source}: {key} is not supported")
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial!r} is not supported "
+                         "(rotary over the whole head only)")
 
 
 def _architecture(cfg: Mapping[str, Any], source: str) -> str:
@@ -193,8 +228,9 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         raise ValueError(f"{source}: rope_scaling must be an object, got {legacy!r}")
     merged: dict[str, Any] = {**(legacy or {}), **(params or {})}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    if not _positive(theta):
+        raise ValueError(f"{source}: rope_theta must be a finite positive number, "
+                         f"got {theta!r}")
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind not in _ROPE_TYPES:
         raise ValueError(f"{source}: rope type {kind!r} is not supported "
@@ -207,8 +243,13 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         v = merged.get(key, default)
         if v is None:
             raise ValueError(f"{source}: llama3 rope scaling needs {key!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{source}: rope scaling {key} must be a positive number, got {v!r}")
+        if not _positive(v):
+            raise ValueError(f"{source}: rope scaling {key} must be a finite positive number, "
+                             f"got {v!r}")
+        if key == "original_max_position_embeddings" and (
+                not isinstance(v, int) or v > _MAX_TOKENS):
+            raise ValueError(f"{source}: rope scaling {key} must be an integer in "
+                             f"[1, {_MAX_TOKENS}], got {v!r}")
         scaling[key] = v
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError(f"{source}: rope scaling high_freq_factor must exceed low_freq_factor")

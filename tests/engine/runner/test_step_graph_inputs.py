@@ -165,7 +165,7 @@ def test_padded_steps_give_the_eager_bits(request, kind):
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
     prompts = random_prompts(10, seed=5, lo=3, hi=60)
     mixed = [loras[k % 2] if k % 3 else None for k in range(10)]
-    params = [SamplingParams(max_tokens=6, logprobs=1, ignore_eos=True) if k % 2
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True) if k % 2
               else SamplingParams(max_tokens=6, logprobs=0, temperature=0.8, seed=k,
                                   ignore_eos=True) for k in range(10)]
     _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed)
@@ -181,5 +181,5 @@ def test_padded_steps_with_buckets_past_max_model_len(request):
     # 39 prompt tokens: the first step fills the 64-row bucket with 25 padding rows.
     prompts = [p[:12] for p in random_prompts(3, seed=9, lo=12, hi=13)] + [[5, 6, 7]]
     mixed = [loras[0], None, loras[1], loras[0]]
-    params = [SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True)] * 4
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)] * 4
     _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed, max_model_len=24)

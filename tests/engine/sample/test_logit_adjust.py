@@ -101,14 +101,15 @@ def test_a_pending_last_token_gives_the_bits_of_a_read_one():
 
 
 def test_a_pending_token_must_be_the_unread_last_one():
-    params = SamplingParams(repetition_penalty=1.2)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
     with pytest.raises(RuntimeError, match="pending output token"):
         row_adjust(params, [1], [2, 3], pending_src=0)  # the last token is read
     with pytest.raises(RuntimeError, match="on the host"):
         row_adjust(params, [1], [-1, 3])  # an unread token that is not declared pending
     adjust = row_adjust(params, [1], [2, -1], pending_src=4)
     assert adjust.pending_src == 4 and (adjust.prompt_tokens, adjust.output_tokens) == ((1,), (2,))
-    assert row_adjust(SamplingParams(logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
+    assert row_adjust(SamplingParams(temperature=0.0,
+                                     logit_bias={1: 1.0}), [1], [-1], 0).pending_src is None
     with pytest.raises(ValueError, match="pass fed"):
         Sampler(argmax_ref, log_softmax_ref).launch(
             torch.zeros(1, 8), [SampleRequest(params, 1, 3, adjust=adjust)])
@@ -116,13 +117,14 @@ def test_a_pending_token_must_be_the_unread_last_one():
 
 def test_each_adjustment_does_what_it_says():
     x = torch.tensor([2.0, -2.0, 1.0, 0.5, 3.0])
-    allowed = adjust_row_ref(x, SamplingParams(allowed_token_ids=[1, 3]), [], [])
+    allowed = adjust_row_ref(x, SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]), [], [])
     assert allowed.tolist() == [float("-inf"), -2.0, float("-inf"), 0.5, float("-inf")]
-    biased = adjust_row_ref(x, SamplingParams(logit_bias={2: 500.0}), [], [])
+    biased = adjust_row_ref(x, SamplingParams(temperature=0.0, logit_bias={2: 500.0}), [], [])
     assert biased[2].item() == 101.0  # clamped to +100
-    rep = adjust_row_ref(x, SamplingParams(repetition_penalty=2.0), [0], [1])
+    rep = adjust_row_ref(x, SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [1])
     assert rep.tolist() == [1.0, -4.0, 1.0, 0.5, 3.0]  # positive halved, negative doubled
-    pen = adjust_row_ref(x, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
+    pen = adjust_row_ref(x, SamplingParams(temperature=0.0,
+                                           frequency_penalty=0.5, presence_penalty=1.0),
                          [4], [3, 3, 1])
     assert pen.tolist() == [2.0, -3.5, 1.0, -1.5, 3.0]  # prompt token 4 untouched
 
@@ -138,7 +140,7 @@ def test_min_p_keeps_the_tokens_vllm_keeps():
         assert torch.equal(torch.isfinite(got)[clear], (ratio >= min_p)[clear])
         assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])
     # Greedy rows ignore it, as in vLLM.
-    assert row_adjust(SamplingParams(min_p=0.5), [1], [2]) is None
+    assert row_adjust(SamplingParams(temperature=0.0, min_p=0.5), [1], [2]) is None
 
 
 def test_sampled_tokens_respect_min_p():
@@ -192,9 +194,9 @@ def test_repetition_penalty_matches_hugging_face(llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
     llm = LLM(str(llama_dir), device="cpu")
     prompts = random_prompts(4, seed=8, lo=3, hi=12)
-    sp = SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
     ours = llm.generate(prompts, sp, use_tqdm=False)
-    plain = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True),
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                          use_tqdm=False)
     for p, o in zip(prompts, ours, strict=True):
         assert o.outputs[0].token_ids == hf_greedy_with_repetition_penalty(hf, p, 16, 1.8)
@@ -208,7 +210,7 @@ def test_engine_outputs_are_batch_invariant_and_follow_the_rules(llama_dir):
                              temperature=0.9 if k % 2 else 0.0,
                              frequency_penalty=0.8, presence_penalty=0.3,
                              repetition_penalty=1.2) if k % 3 == 0 else
-              SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1,
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1,
                              allowed_token_ids=[5, 6, 7]) if k % 3 == 1 else
               SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1,
                              logit_bias={9: 100.0}, temperature=1.0, seed=k)
@@ -253,7 +255,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama_dir):
 def test_penalties_without_prompt_or_output_ids_are_the_reference():
     # A row without prompt ids (a pending token only), alone and beside one before its first
     # output token.
-    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
+    params = SamplingParams(temperature=0.0,
+                            repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25)
     logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
     fed = torch.tensor([0, 9], dtype=torch.int64)
     want = torch.stack([adjust_row_ref(logits[0], params, [], [4, 9, 9]),

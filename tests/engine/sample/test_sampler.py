@@ -28,7 +28,7 @@ def sampler(**kwargs) -> Sampler:
 
 def test_greedy_ties_go_to_the_lowest_token_id():
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
-    req = SampleRequest(SamplingParams(logprobs=0), seed=0, position=4)
+    req = SampleRequest(SamplingParams(temperature=0.0, logprobs=0), seed=0, position=4)
     out = sampler()(logits, [req, req])
     assert [r.token_id for r in out] == [1, 0]
     lp = torch.log_softmax(logits, -1)
@@ -87,11 +87,11 @@ def test_top_k_and_top_p_keep_only_the_best_tokens():
     assert {r.token_id for r in s(logits[:50], tiny_p)} == {0}
 
 
-def test_logprobs_are_of_the_processed_logits_and_list_the_top_n():
+def test_logprobs_are_of_the_processed_logits_on_request_and_list_the_top_n():
     logits = torch.tensor([[2.0, 1.0, 0.0, 1.0]])
     req = SampleRequest(SamplingParams(temperature=0.5, top_k=3, logprobs=2), seed=3,
                         position=0)
-    out = sampler()(logits, [req])[0]
+    out = sampler(logprobs_mode="processed_logprobs")(logits, [req])[0]
     kept = torch.tensor([4.0, 2.0, float("-inf"), 2.0])  # /0.5, token 2 dropped by top-k
     lp = torch.log_softmax(kept, -1)
     assert out.logprobs[out.token_id] == lp[out.token_id].item()
@@ -100,11 +100,42 @@ def test_logprobs_are_of_the_processed_logits_and_list_the_top_n():
     assert set(out.logprobs) == {out.token_id, 0, 1}
     assert all(v == lp[k].item() for k, v in out.logprobs.items())
     assert out.token_id != 2
+    # The chosen token's rank counts the strictly better tokens (1 and 3 tie at rank 2);
+    # the top ones carry their places.
+    ranks = dict(zip(out.logprobs, out.ranks, strict=True))
+    assert ranks[out.token_id] == {0: 1, 1: 2, 3: 2}[out.token_id]
+    assert ranks[0] == 1 and ranks.get(1, 2) == 2
+    processed_logits = sampler(logprobs_mode="processed_logits")(logits, [req])[0]
+    assert processed_logits.token_id == out.token_id
+    assert all(v == kept[k].item() for k, v in processed_logits.logprobs.items())
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_logprobs_are_the_raw_models_by_default(top):
+    # vLLM's default logprobs_mode: the model's distribution, before temperature, top-k,
+    # bans and penalties, whatever drew the token.
+    logits = torch.tensor([[2.0, 1.0, 0.0, 1.0], [0.5, 3.0, 1.0, -1.0]])
+    lp = torch.log_softmax(logits, -1)
+    reqs = [SampleRequest(SamplingParams(temperature=0.5, top_k=3, logprobs=top), seed=3,
+                          position=0),
+            SampleRequest(SamplingParams(temperature=0.0, logprobs=top, repetition_penalty=2.0),
+                          seed=0, position=0, banned_token_ids=(1,))]
+    for out, row, x in zip(sampler()(logits, reqs), lp, logits, strict=True):
+        assert all(v == row[k].item() for k, v in out.logprobs.items())
+        rank = 1 + int((x > x[out.token_id]).sum())
+        assert out.ranks[0] == rank
+        assert len(out.logprobs) >= top
+    raw_logits = sampler(logprobs_mode="raw_logits")(logits, reqs)
+    assert [r.token_id for r in raw_logits] == [r.token_id for r in sampler()(logits, reqs)]
+    for out, x in zip(raw_logits, logits, strict=True):
+        assert all(v == x[k].item() for k, v in out.logprobs.items())
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        sampler(logprobs_mode="raw")
 
 
 def test_banned_tokens_are_never_chosen_and_default_seeds_differ():
     logits = torch.tensor([[0.0, 9.0, 1.0]])
-    req = SampleRequest(SamplingParams(), seed=0, position=0, banned_token_ids=(1,))
+    req = SampleRequest(SamplingParams(temperature=0.0), seed=0, position=0, banned_token_ids=(1,))
     assert sampler()(logits, [req])[0].token_id == 2
     assert derive_seed(0, 0) != derive_seed(0, 1) and derive_seed(0, 1) == derive_seed(0, 1)
     assert 0 <= derive_seed(5, 9) < 2**64
@@ -184,8 +215,9 @@ def _as_tuples(results):
 
 
 def test_same_tokens_and_logprobs_as_the_previous_sampler():
+    # The previous sampler reported processed logprobs.
     rng = random.Random(0)
-    s = sampler()
+    s = sampler(logprobs_mode="processed_logprobs")
     for _ in range(60):
         logits, reqs = _random_batch(rng, rng.choice([7, 50, 300]), rng.choice([1, 2, 5, 9]))
         if rng.random() < 0.2:
@@ -199,10 +231,12 @@ def test_same_tokens_and_logprobs_as_the_previous_sampler():
 def test_kernels_give_the_same_results_as_the_references():
     # Sampling ops through the interpreted Triton kernels (the CUDA path) vs their references.
     rng = random.Random(1)
-    kernels, refs = sampler(kernels=True), sampler(kernels=False)
-    for _ in range(12):
-        logits, reqs = _random_batch(rng, rng.choice([7, 300, 1100]), rng.choice([1, 3]))
-        assert _as_tuples(kernels(logits, reqs)) == _as_tuples(refs(logits, reqs))
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        kernels = sampler(kernels=True, logprobs_mode=mode)
+        refs = sampler(kernels=False, logprobs_mode=mode)
+        for _ in range(6):
+            logits, reqs = _random_batch(rng, rng.choice([7, 300, 1100]), rng.choice([1, 3]))
+            assert _as_tuples(kernels(logits, reqs)) == _as_tuples(refs(logits, reqs))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -238,33 +272,36 @@ def test_greedy_head_answers_all_greedy_batches_with_the_same_results():
     assert head.shape == (6, 3) and head.dtype == torch.float64
     assert head[:, 2].tolist() == [1.0] * 6  # every row finite
     for logprobs in (None, 0):
-        reqs = [SampleRequest(SamplingParams(logprobs=logprobs), seed=k, position=9)
+        reqs = [SampleRequest(SamplingParams(temperature=0.0,
+                                             logprobs=logprobs), seed=k, position=9)
                 for k in range(6)]
         assert s(logits, reqs, greedy=head) == s(logits, reqs)
     # Rows the head cannot answer (sampled, banned tokens, top logprobs): the full path runs.
-    mixed = [SampleRequest(SamplingParams(logprobs=0), seed=0, position=9),
+    mixed = [SampleRequest(SamplingParams(temperature=0.0, logprobs=0), seed=0, position=9),
              SampleRequest(SamplingParams(temperature=0.7, seed=3), seed=3, position=9),
-             SampleRequest(SamplingParams(logprobs=2), seed=0, position=9),
-             SampleRequest(SamplingParams(), seed=0, position=9, banned_token_ids=(1, 2)),
-             SampleRequest(SamplingParams(), seed=0, position=9),
-             SampleRequest(SamplingParams(), seed=0, position=9)]
+             SampleRequest(SamplingParams(temperature=0.0, logprobs=2), seed=0, position=9),
+             SampleRequest(SamplingParams(temperature=0.0), seed=0, position=9,
+                           banned_token_ids=(1, 2)),
+             SampleRequest(SamplingParams(temperature=0.0), seed=0, position=9),
+             SampleRequest(SamplingParams(temperature=0.0), seed=0, position=9)]
     assert s(logits, mixed, greedy=head) == s(logits, mixed)
     # Greedy rows beside sampled ones (top-p, banned tokens, with and without logprobs): the
     # head answers the greedy rows, the sampled rows are computed; the same results.
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=0)
-    beside = [SampleRequest(SamplingParams(logprobs=0), seed=0, position=9),
+    beside = [SampleRequest(SamplingParams(temperature=0.0, logprobs=0), seed=0, position=9),
               SampleRequest(sampled, seed=3, position=9),
-              SampleRequest(SamplingParams(), seed=0, position=9),
+              SampleRequest(SamplingParams(temperature=0.0), seed=0, position=9),
               SampleRequest(sampled, seed=4, position=9, banned_token_ids=(5,)),
               SampleRequest(SamplingParams(temperature=1.2, seed=2), seed=2, position=9),
-              SampleRequest(SamplingParams(logprobs=0), seed=0, position=9)]
+              SampleRequest(SamplingParams(temperature=0.0, logprobs=0), seed=0, position=9)]
     for reqs in (beside, [beside[k] for k in (1, 0, 2, 4, 5, 3)], beside[:1] + beside[2:3]):
         rows = len(reqs)
         want = s(logits[:rows], reqs)
         assert s(logits[:rows], reqs, greedy=head[:rows]) == want
         assert any(r.logprobs for r in want)
     with pytest.raises(ValueError, match=r"greedy must be \[6, 3\]"):
-        s(logits, [SampleRequest(SamplingParams(), seed=0, position=1)] * 6, greedy=head[:3])
+        s(logits, [SampleRequest(SamplingParams(temperature=0.0), seed=0, position=1)] * 6,
+          greedy=head[:3])
 
 
 def _old_greedy_head(argmax, log_softmax, logits):
@@ -291,7 +328,7 @@ def _decode_batch(rng, vocab, n):
     for k in range(n):
         lp = rng.choice([0, 0, None])
         if rng.random() < 0.5:
-            params = SamplingParams(logprobs=lp)
+            params = SamplingParams(temperature=0.0, logprobs=lp)
             banned = ()
         else:
             params = SamplingParams(temperature=rng.choice([0.8, 1.3]),
@@ -316,11 +353,15 @@ def test_model_dtype_logits_and_chosen_logprob_give_the_previous_results(kernels
         from detlora.ops.softmax import chosen_logprob_ref as chosen_logprob
 
         argmax, log_softmax = argmax_ref, log_softmax_ref
-    new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob, kernels=kernels,
-                  logits_dtype=torch.bfloat16)
-    old = Sampler(argmax, log_softmax, kernels=kernels, logits_dtype=torch.bfloat16)
     rng = random.Random(8)
-    for vocab, n in ((300, 6), (5000, 5), (300, 1), (5000, 2)) * (1 if kernels else 3):
+    cases = ((300, 6), (5000, 5), (300, 1), (5000, 2)) * (1 if kernels else 3)
+    for k, (vocab, n) in enumerate(cases):
+        # The previous sampler reported processed logprobs; raw ones must agree as well.
+        mode = "processed_logprobs" if k % 2 == 0 else "raw_logprobs"
+        new = Sampler(argmax, log_softmax, chosen_logprob=chosen_logprob, kernels=kernels,
+                      logits_dtype=torch.bfloat16, logprobs_mode=mode)
+        old = Sampler(argmax, log_softmax, kernels=kernels, logits_dtype=torch.bfloat16,
+                      logprobs_mode=mode)
         logits, reqs = _decode_batch(rng, vocab, n)
         before = logits.clone()
         x = logits.float()  # what compute_logits returned before
@@ -328,7 +369,7 @@ def test_model_dtype_logits_and_chosen_logprob_give_the_previous_results(kernels
         head_new = new.greedy_head(logits)
         assert torch.equal(head_new, head_old)
         want = _as_tuples(old(x, reqs, greedy=head_old))
-        if not kernels:
+        if not kernels and mode == "processed_logprobs":
             assert want == [(t, lp, list(lp or ())) for t, lp in _previous_sampler(x, reqs)]
         assert _as_tuples(old(x, reqs)) == want
         assert _as_tuples(new(logits, reqs, greedy=head_new)) == want
@@ -345,7 +386,7 @@ def test_head_path_reads_every_mix_of_wanted_rows():
     head = s.greedy_head(logits)
     for wants in [(0, 0, 0, 0, 0), (None,) * 5, (0, None, 0, None, None), (None, 0, None, 0, 0),
                   (0, 0, None, None, 0), (None, None, 0, 0, None)]:
-        reqs = [SampleRequest(SamplingParams(logprobs=w) if k % 2 == 0 else
+        reqs = [SampleRequest(SamplingParams(temperature=0.0, logprobs=w) if k % 2 == 0 else
                               SamplingParams(temperature=0.9, top_p=0.9, logprobs=w, seed=k),
                               seed=k, position=3)
                 for k, w in enumerate(wants)]

@@ -69,14 +69,14 @@ def test_a_character_completed_by_the_newest_token_counts_as_new():
 ])
 def test_bad_stop_parameters(stop, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams(stop=stop)
+        SamplingParams(temperature=0.0, stop=stop)
 
 
 def test_stop_parameters_are_normalized():
     with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
-        SamplingParams(stop="x", include_stop_str_in_output=1)
-    assert SamplingParams(stop="x").stop == ("x",)
-    assert SamplingParams(stop=["x", "y"]).stop == ("x", "y")
+        SamplingParams(temperature=0.0, stop="x", include_stop_str_in_output=1)
+    assert SamplingParams(temperature=0.0, stop="x").stop == ("x",)
+    assert SamplingParams(temperature=0.0, stop=["x", "y"]).stop == ("x", "y")
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +89,11 @@ PROMPTS = ["the engine reads the prompt and", "a sum in floating point", "hi"]
 
 
 def test_generation_stops_at_the_string(llm):
-    greedy = SamplingParams(max_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
     full = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
     stop = full.text[30:36]
     cut = full.text.index(stop)
-    params = SamplingParams(max_tokens=24, stop=["never there", stop])
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=["never there", stop])
     out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
     assert out.text == full.text[:cut] and out.finish_reason == "stop"
     assert out.stop_reason == stop
@@ -102,16 +102,16 @@ def test_generation_stops_at_the_string(llm):
     # The last kept token completes the string; the one before does not.
     assert stop in llm.get_tokenizer().decode(out.token_ids)
     assert stop not in llm.get_tokenizer().decode(out.token_ids[:-1])
-    kept = llm.generate(PROMPTS[0], SamplingParams(max_tokens=24, stop=stop,
+    kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24, stop=stop,
                                                    include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.text == full.text[: cut + len(stop)] and kept.token_ids == out.token_ids
 
 
 def test_stop_strings_are_batch_invariant(llm):
-    greedy = SamplingParams(max_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
     fulls = [o.outputs[0] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    stops = SamplingParams(max_tokens=24, stop=[f.text[25:29] for f in fulls])
+    stops = SamplingParams(temperature=0.0, max_tokens=24, stop=[f.text[25:29] for f in fulls])
     alone = [llm.generate(p, stops, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
     batch = [o.outputs[0] for o in llm.generate(PROMPTS[::-1], stops, use_tqdm=False)][::-1]
     assert [(o.text, o.token_ids, o.stop_reason) for o in alone] == \
@@ -120,13 +120,15 @@ def test_stop_strings_are_batch_invariant(llm):
 
 
 def test_min_tokens_holds_back_stop_strings(llm):
-    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20), use_tqdm=False)[0].outputs[0]
+    full = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0,
+                                                   max_tokens=20), use_tqdm=False)[0].outputs[0]
     first_word = full.text.split()[0]
-    early = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, stop=first_word),
+    early = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0,
+                                                    max_tokens=20, stop=first_word),
                          use_tqdm=False)[0].outputs[0]
     assert early.finish_reason == "stop" and early.text == full.text[: full.text.index(
         first_word)]
-    late = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, stop=first_word,
+    late = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, stop=first_word,
                                                    min_tokens=len(early.token_ids) + 1),
                         use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) > len(early.token_ids)
@@ -135,5 +137,5 @@ def test_min_tokens_holds_back_stop_strings(llm):
 def test_stop_strings_need_a_tokenizer(llama_dir):
     no_tok = LLM(str(llama_dir), device="cpu", max_model_len=64)
     with pytest.raises(ValueError, match="stop strings need the model's tokenizer"):
-        no_tok.generate([[3, 4]], SamplingParams(stop="x"), use_tqdm=False)
+        no_tok.generate([[3, 4]], SamplingParams(temperature=0.0, stop="x"), use_tqdm=False)
     assert not no_tok.engine.has_unfinished()

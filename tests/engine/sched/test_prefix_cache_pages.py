@@ -12,7 +12,8 @@ from detlora.lora.request import LoRARequest
 
 def seq_of(i: int, tokens: list[int], lora=None, **params) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), prompt=None, prompt_token_ids=list(tokens),
-                    params=SamplingParams(max_tokens=8, **params), sample_seed=i,
+                    params=SamplingParams(max_tokens=8, **{"temperature": 0.0, **params}),
+                    sample_seed=i,
                     max_len=len(tokens) + 8, lora=lora)
 
 
@@ -233,17 +234,17 @@ def test_marks_are_cleared_when_the_computing_sequence_leaves():
 
 @pytest.mark.parametrize("flag", ["yes", 1])
 def test_enable_prefix_caching_must_be_a_bool(flag, tmp_path):
-    from detlora.config import EngineConfig
+    from detlora.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool or None"):
-        EngineConfig(str(tmp_path), enable_prefix_caching=flag)
+        EngineArgs(str(tmp_path), enable_prefix_caching=flag)
 
 
 def test_the_default_is_on_at_batch_invariant_only(tmp_path):
-    from detlora.config import EngineConfig
+    from detlora.engine_args import EngineArgs
 
-    on = [EngineConfig(str(tmp_path), determinism=d).resolved_prefix_caching
+    on = [EngineArgs(str(tmp_path), determinism=d).resolved_prefix_caching
           for d in (None, "batch_invariant", "run_to_run", "fast")]
     assert on == [True, True, False, False]
-    assert EngineConfig(str(tmp_path), determinism="fast",
+    assert EngineArgs(str(tmp_path), determinism="fast",
                         enable_prefix_caching=True).resolved_prefix_caching

@@ -11,7 +11,7 @@ from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 def make_seq(i: int, prompt_len: int, max_tokens: int = 8, lora=None) -> Sequence:
     return Sequence(seq_id=i, request_id=str(i), prompt=None,
                     prompt_token_ids=list(range(2, 2 + prompt_len)),
-                    params=SamplingParams(max_tokens=max_tokens), sample_seed=i,
+                    params=SamplingParams(temperature=0.0, max_tokens=max_tokens), sample_seed=i,
                     max_len=prompt_len + max_tokens, lora=lora)
 
 

@@ -19,9 +19,12 @@ parameters, seed and position, never on which other rows share the step:
   (``min_tokens``), then its ``allowed_token_ids``, ``logit_bias``, penalties and ``min_p``
   adjust its fp32 logits (``detlora.engine.sample.logit_adjust``); a call with such a row
   ranks every row in fp32;
-* logprobs: ``log_softmax`` of the processed logits (after temperature and filters), fp32.
-  The chosen token's comes from ``chosen_logprob`` (that one column, the same bits); the full
-  row only when a request wants top logprobs;
+* logprobs (``LogprobsMode``, vLLM's ``logprobs_mode``): by default ``log_softmax`` of the
+  raw logits (the model's distribution), fp32; on request of the processed logits (after the
+  adjustments, temperature and filters), or those logits themselves. The chosen token's comes
+  from ``chosen_logprob`` (that one column, the same bits); the full row only when a request
+  wants top logprobs. Its rank is 1 + the number of tokens with a strictly higher logit in
+  the same distribution (an integer count: batch-invariant);
 * a row whose logits are not all finite (NaN, inf) is flagged (``SampleResult.finite``) and
   gets a safe token id on the device (``detlora.engine.sample.finite_rows``): no id outside
   the vocabulary ever comes out, and the flag travels in the same read as the tokens.
@@ -43,7 +46,7 @@ from typing import Any
 
 import torch
 
-from detlora.config import SamplingParams
+from detlora.config import LogprobsMode, SamplingParams
 from detlora.engine.runner.copy_fence import PinnedStaging
 from detlora.engine.sample.finite_rows import finite_rows, safe_tokens
 from detlora.engine.sample.logit_adjust import AdjustTensors, RowAdjust, apply_adjustments, fill_at
@@ -82,6 +85,7 @@ class SampleResult:
     token_id: int
     logprobs: dict[int, float] | None  # chosen token first, then the top ``params.logprobs``
     finite: bool = True  # False: the row's logits held a NaN or inf (token_id is a stand-in)
+    ranks: tuple[int, ...] | None = None  # each logprobs entry's rank, in its order
 
 
 def derive_seed(engine_seed: int, index: int) -> int:
@@ -109,6 +113,20 @@ def _rows(idx: list[int], n: int) -> slice | None:
     if idx and idx[-1] - idx[0] + 1 == len(idx):
         return slice(idx[0], idx[-1] + 1) if len(idx) < n else slice(None)
     return None
+
+
+def _top_entry(token: int, value: float, rank: int, top_values: Sequence[float],
+               top_ids: Sequence[float]) -> tuple[dict[int, float], tuple[int, ...]]:
+    """{token: value, then the top tokens not already listed} and each entry's rank: the
+    token's own, then the top ones' places 1, 2, ... in the sorted order."""
+    entry = {token: value}
+    ranks = [rank]
+    for place, v in enumerate(top_values):
+        t = int(top_ids[place])
+        if t not in entry:
+            entry[t] = v
+            ranks.append(place + 1)
+    return entry, tuple(ranks)
 
 
 class _Upload:
@@ -260,7 +278,7 @@ class Sampler:
     ``detlora.ops.sampling`` on the float64 ``log``).
     ``logits_dtype``: a 16-bit dtype in which fp32 logits are exact (the LM head's); the
     filters then rank them in it (the same ranks and ties, half the key bits). Logits already
-    in that dtype are ranked as they are.
+    in that dtype are ranked as they are. ``logprobs_mode``: what ``logprobs`` report.
     """
 
     def __init__(
@@ -271,6 +289,7 @@ class Sampler:
         chosen_logprob: Callable[..., torch.Tensor] | None = None,
         kernels: bool = False,
         logits_dtype: torch.dtype | None = None,
+        logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS,
     ) -> None:
         from detlora.ops import sampling  # here, not at import: it loads Triton
 
@@ -285,6 +304,7 @@ class Sampler:
         self._argmax = argmax
         self._log_softmax = log_softmax
         self._chosen_logprob = chosen_logprob or _column_of(log_softmax)
+        self.logprobs_mode = LogprobsMode.parse(logprobs_mode)
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._staging = PinnedStaging()
 
@@ -306,7 +326,8 @@ class Sampler:
         tokens = safe_tokens(self._argmax(logits).to(torch.int64), finite)
         head = torch.empty(logits.shape[0], 3, dtype=torch.float64, device=logits.device)
         head[:, 0].copy_(tokens)
-        self._chosen_logprob(logits, tokens, out=head[:, 1])
+        # A greedy row's processed logits are its raw ones (no temperature, no adjustment).
+        self._chosen(logits, tokens, out=head[:, 1])
         head[:, 2].copy_(finite)
         return head
 
@@ -322,28 +343,45 @@ class Sampler:
         return [{int(t): v for t, v in zip(ids, row, strict=False)}
                 for ids, row in zip(token_ids, values, strict=True)]
 
+    def _chosen(self, x: torch.Tensor, index: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Column ``index`` of each row of ``x`` as the mode reports it (fp32 values)."""
+        if self.logprobs_mode.logprobs:
+            return self._chosen_logprob(x, index, out=out)
+        v = x.gather(1, index[:, None])[:, 0].float()
+        return v if out is None else out.copy_(v)
+
+    def _values(self, x: torch.Tensor) -> torch.Tensor:
+        """Every column of ``x`` as the mode reports it, fp32 [N, V]."""
+        return self._log_softmax(x.float()).float() if self.logprobs_mode.logprobs else x.float()
+
+    @staticmethod
+    def _rank(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """1 + how many tokens of each row of ``x`` beat column ``index`` (in x's own dtype:
+        16-bit values compare as their exact fp32 upcast would)."""
+        return (x > x.gather(1, index[:, None])).sum(-1) + 1
+
     def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int],
-                        top_n: Sequence[int]) -> list[dict[int, float]]:
-        """Per row of ``logits``: {targets[i]: its logprob, then the row's ``top_n[i]`` best
-        tokens (ties: lower id first)}, from ``log_softmax`` of the raw logits in fp32 (a
-        prompt is scored, not sampled: no temperature or filters). Row-wise, so batch-invariant
-        with the backend's log_softmax; one read."""
+                        top_n: Sequence[int]) -> list[tuple[dict[int, float], tuple[int, ...]]]:
+        """Per row of ``logits``: ({targets[i]: its logprob, then the row's ``top_n[i]`` best
+        tokens (ties: lower id first)}, each entry's rank), from ``log_softmax`` of the raw
+        logits in fp32 (a prompt is scored, not sampled: no temperature or filters; logprobs
+        whatever the mode). Row-wise, so batch-invariant with the backend's log_softmax; one
+        read."""
         index = torch.tensor(list(targets), dtype=torch.int64).to(logits.device)
         lp = self._log_softmax(logits.float()).float()
-        parts = [lp.gather(1, index[:, None])[:, 0].double()]
+        parts = [lp.gather(1, index[:, None])[:, 0].double(),
+                 self._rank(logits, index).double()]
         n = max(top_n, default=0)
         if n:
             vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
             parts += [vals[:, :n].double().reshape(-1), ids[:, :n].double().reshape(-1)]
         values = torch.cat(parts).tolist()  # fp32 logprobs and token ids are exact in float64
         rows = len(targets)
-        out = []
-        for i, (target, want) in enumerate(zip(targets, top_n, strict=True)):
-            entry = {int(target): values[i]}
-            for c in range(i * n, i * n + want):
-                entry.setdefault(int(values[rows + rows * n + c]), values[rows + c])
-            out.append(entry)
-        return out
+        top = values[2 * rows :]  # the top values, then their ids
+        return [_top_entry(int(target), values[i], int(values[rows + i]),
+                           top[i * n : i * n + want], top[rows * n + i * n :])
+                for i, (target, want) in enumerate(zip(targets, top_n, strict=True))]
 
     def __call__(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest],
@@ -383,14 +421,16 @@ class Sampler:
             and r.adjust is None and r.token_mask is None for r in requests
         ):
             def parse_greedy(values: list[float]) -> list[SampleResult]:
-                return [SampleResult(int(t), None if r.params.logprobs is None else {int(t): lp},
-                                     ok != 0.0)
+                # The argmax: no logit above it, rank 1.
+                return [SampleResult(int(t), None, ok != 0.0) if r.params.logprobs is None
+                        else SampleResult(int(t), {int(t): lp}, ok != 0.0, (1,))
                         for t, lp, ok, r in zip(values[::3], values[1::3], values[2::3],
                                                 requests, strict=True)]
 
             return PendingSample.read(greedy.reshape(-1), greedy[:, 0], parse_greedy)
         device = logits.device
         kernels = self._kernels
+        raw_mode = self.logprobs_mode.raw
 
         # ---- host: sort the rows and gather every per-row parameter for one upload.
         greedy_rows: list[int] = []
@@ -440,16 +480,17 @@ class Sampler:
                                     for p in params])
         if use_head:
             # Where the sampled rows' values go in the one read: each token at its row, each
-            # chosen logprob at its row's place among the wanted rows (a row that does not
-            # want it: a spare slot after the rows' finite flags, never read).
-            place = {i: n + j for j, i in enumerate(want)}
+            # chosen logprob and rank at its row's place among the wanted rows (a row that
+            # does not want them: spare slots after the rows' finite flags, never read).
+            place = {i: j for j, i in enumerate(want)}
             with_lp = any(i in place for i in sampled)
             head_dst = list(sampled)
-            flat_size = 2 * n + len(want)
+            flat_size = 2 * n + 2 * len(want)
             if with_lp:
-                for i in sampled:
-                    head_dst.append(place.get(i, flat_size))
-                    flat_size += int(i not in place)
+                for offset in (n, n + len(want)):  # logprobs, then ranks
+                    for i in sampled:
+                        head_dst.append(offset + place[i] if i in place else flat_size)
+                        flat_size += int(i not in place)
             head_sec = up.add(head_dst)
         dev = up.send(device, self._staging) if up.values else None
 
@@ -502,8 +543,8 @@ class Sampler:
             tok_s = (ops.gumbel_argmax if kernels else ops.gumbel_argmax_ref)(filtered, keys, th)
             tok_s = safe_tokens(tok_s, finite[s_sel])
         if use_head:
-            return self._read_with_head(greedy, tok_s, filtered, dev[head_sec], with_lp,
-                                        w_sel, len(want), flat_size,
+            return self._read_with_head(greedy, tok_s, logits[s_sel] if raw_mode else filtered,
+                                        dev[head_sec], with_lp, w_sel, len(want), flat_size,
                                         self._parser(requests, want, 0))
         if tok_s is None:
             tokens = tok_g
@@ -520,20 +561,25 @@ class Sampler:
             for k, t in enumerate(reads):
                 flat[k * n : (k + 1) * n].copy_(t)
             return PendingSample.read(flat, tokens, self._parser(requests, want, 0))
-        if filtered is None:
-            processed = x
+        if raw_mode:
+            source = logits  # the model's distribution, before anything above
+        elif filtered is None:
+            source = x
         elif tok_g is None:
-            processed = filtered
+            source = filtered
         else:
-            processed = x.clone() if x is logits else x  # x may be ours already
-            processed[s_sel] = filtered
-        if top_n == 0:  # the chosen tokens' logprobs alone: one column, no [N, V] output
-            reads = [tokens, self._chosen_logprob(processed[w_sel], tokens[w_sel])]
+            source = x.clone() if x is logits else x  # x may be ours already
+            source[s_sel] = filtered
+        chosen_ids = tokens[w_sel]
+        rows = source[w_sel]
+        ranks = self._rank(rows, chosen_ids)
+        if top_n == 0:  # the chosen tokens' values alone: one column, no [N, V] output
+            reads = [tokens, self._chosen(rows, chosen_ids), ranks]
         else:
-            lp = self._log_softmax(processed[w_sel]).float()
-            # Stable descending sort: equal logprobs list the lower token id first.
+            lp = self._values(rows)
+            # Stable descending sort: equal values list the lower token id first.
             top_vals, top_ids = torch.sort(lp, dim=-1, descending=True, stable=True)
-            reads = [tokens, lp.gather(1, tokens[w_sel][:, None]), top_vals[:, :top_n],
+            reads = [tokens, lp.gather(1, chosen_ids[:, None]), ranks, top_vals[:, :top_n],
                      top_ids[:, :top_n]]
         reads.append(finite)
         # One read: token ids, fp32 logprobs and flags are all exact in float64.
@@ -546,52 +592,57 @@ class Sampler:
         return PendingSample.read(flat, tokens, self._parser(requests, want, top_n))
 
     def _read_with_head(
-        self, greedy: torch.Tensor, tok_s: torch.Tensor, filtered: torch.Tensor,
+        self, greedy: torch.Tensor, tok_s: torch.Tensor, source: torch.Tensor,
         dst: torch.Tensor, with_lp: bool, w_sel: slice | torch.Tensor, num_want: int,
         size: int, parse: Callable[[list[float]], list[SampleResult]],
     ) -> PendingSample:
         """Tokens and chosen logprobs from the greedy head, the sampled rows replaced by
-        theirs (row-wise kernels: the bits the full path gives those rows). The read, flat,
-        is n tokens, the wanted rows' logprobs, then every row's finite flag (then spare
-        slots, not read): filled from the head, then the sampled rows' values [tokens |
-        logprobs] put at ``dst`` in one index_copy_ (no clone of the head, no 2-D
-        index_put)."""
+        theirs (row-wise kernels: the bits the full path gives those rows; ``source``: the
+        sampled rows' logits as the mode reads them). The read, flat, is n tokens, the wanted
+        rows' logprobs, their ranks, then every row's finite flag (then spare slots, not
+        read): filled from the head (an argmax: rank 1), then the sampled rows' values
+        [tokens | logprobs | ranks] put at ``dst`` in one index_copy_ (no clone of the head,
+        no 2-D index_put)."""
         n, s = greedy.shape[0], tok_s.shape[0]
+        w = num_want
         flat = torch.empty(size, dtype=torch.float64, device=greedy.device)
-        if num_want == n:  # every row wants its logprob: both columns in one copy
+        if w == n:  # every row wants its logprob: both columns in one copy
             flat[: 2 * n].view(2, n).copy_(greedy[:, :2].t())
         else:
             flat[:n].copy_(greedy[:, 0])
-            if num_want:
-                flat[n : n + num_want].copy_(greedy[w_sel, 1])
-        flat[n + num_want : 2 * n + num_want].copy_(greedy[:, 2])
-        values = torch.empty(2 if with_lp else 1, s, dtype=torch.float64, device=greedy.device)
+            if w:
+                flat[n : n + w].copy_(greedy[w_sel, 1])
+        flat[n + w : n + 2 * w].fill_(1.0)
+        flat[n + 2 * w : 2 * n + 2 * w].copy_(greedy[:, 2])
+        values = torch.empty(3 if with_lp else 1, s, dtype=torch.float64, device=greedy.device)
         values[0].copy_(tok_s)
         if with_lp:
-            self._chosen_logprob(filtered, tok_s, out=values[1])
+            self._chosen(source, tok_s, out=values[1])
+            values[2].copy_(self._rank(source, tok_s))
         flat.index_copy_(0, dst, values.view(-1))
-        return PendingSample.read(flat[: 2 * n + num_want], flat[:n], parse)
+        return PendingSample.read(flat[: 2 * n + 2 * w], flat[:n], parse)
 
     @staticmethod
     def _parser(requests: Sequence[SampleRequest], want: list[int],
                 top_n: int) -> Callable[[list[float]], list[SampleResult]]:
-        """Parses the one read: n token ids, the wanted rows' chosen logprobs, then per wanted
-        row ``top_n`` values and (after all of them) their ids, then n finite flags."""
-        n = len(requests)
+        """Parses the one read: n token ids, the wanted rows' chosen logprobs, their ranks,
+        then per wanted row ``top_n`` values and (after all of them) their ids, then n finite
+        flags."""
+        n, w = len(requests), len(want)
 
         def parse(values: list[float]) -> list[SampleResult]:
             flags = values[len(values) - n :]
             token_list = [int(v) for v in values[:n]]
-            chosen = values[n : n + len(want)]
-            top = values[n + len(want) :]
-            ids_at = len(want) * top_n
-            logprobs: dict[int, dict[int, float]] = {}
+            chosen = values[n : n + w]
+            ranks = values[n + w : n + 2 * w]
+            top = values[n + 2 * w :]
+            ids_at = w * top_n
+            results = [SampleResult(t, None, flags[i] != 0.0) for i, t in enumerate(token_list)]
             for j, i in enumerate(want):
-                entry = {token_list[i]: chosen[j]}
-                for c in range(j * top_n, j * top_n + requests[i].params.logprobs):
-                    entry.setdefault(int(top[ids_at + c]), top[c])
-                logprobs[i] = entry
-            return [SampleResult(token_list[i], logprobs.get(i), flags[i] != 0.0)
-                    for i in range(n)]
+                entry, places = _top_entry(token_list[i], chosen[j], int(ranks[j]),
+                                           top[j * top_n : j * top_n + requests[i].params.logprobs],
+                                           top[ids_at + j * top_n :])
+                results[i] = SampleResult(token_list[i], entry, flags[i] != 0.0, places)
+            return results
 
         return parse

@@ -49,7 +49,9 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprob_ranks: list[tuple[int, ...]] = field(default_factory=list)  # per logprobs entry
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # tokens 1, 2, ...
+    prompt_logprob_ranks: list[tuple[int, ...]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text_end: int | None = None  # characters of the output text kept (set by a stop string)
@@ -65,6 +67,11 @@ class Sequence:
     label_token_ids: tuple[int, ...] | None = None  # raw logprobs wanted at the first output
     label_logprobs: dict[int, float] | None = None  # ... and there they are
     adapter_wait_since: int | None = None  # schedule() call since which its adapter found no slot
+    # When it arrived, first ran, got its first and its latest token (time.time()).
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -102,10 +109,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None,
+                     ranks: tuple[int, ...] | None = None) -> None:
         self.token_ids.append(token_id)
         if logprobs is not None:
+            if ranks is None or len(ranks) != len(logprobs):
+                raise ValueError("logprobs need one rank per entry")
             self.logprobs.append(logprobs)
+            self.logprob_ranks.append(ranks)
 
     def reset_for_recompute(self) -> None:
         """Preempted: the pages are gone, so every token is computed again later."""

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from detlora.config import EngineConfig
 from detlora.engine.async_llm import AsyncLLM
+from detlora.engine_args import EngineArgs
 from detlora.entrypoints.openai.errors import OpenAIError, bad_request
 from detlora.entrypoints.openai.metrics import ServerMetrics
 from detlora.entrypoints.openai.protocol import (
@@ -170,7 +170,7 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any
     return _CountStatus(asgi, metrics)
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig, *,
+async def serve(engine_config: EngineArgs, config: ServerConfig, *,
                 tokenizer_dir: str | None = None, ready: Any = None) -> None:
     """Start the engine, serve until a signal, then shut down gracefully."""
     import uvicorn
@@ -198,7 +198,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, *,
         await llm.shutdown(drain=False)
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig,
+def run_server(engine_config: EngineArgs, config: ServerConfig,
                tokenizer_dir: str | None = None) -> int:
     """``detlora serve``: blocks until the server stops; the exit status."""
     import signal

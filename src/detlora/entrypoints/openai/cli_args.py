@@ -13,29 +13,10 @@ from pathlib import Path
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory")
-    e = p.add_argument_group("engine (the arguments of LLM)")
-    e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    e.add_argument("--determinism", choices=["fast", "run_to_run", "batch_invariant"],
-                   default=None, help="default: batch_invariant")
-    e.add_argument("--lora-reduction", default=None)
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=True)
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="default: on at batch_invariant only")
-    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--enable-lora", action="store_true",
-                   help="adapter slots (implied by --lora-modules or --enable-lora-loading)")
-    e.add_argument("--max-loras", type=int, default=4)
-    e.add_argument("--max-lora-rank", type=int, default=16)
+    from detlora.engine_args import EngineArgs
+
+    # The engine's options, as LLM() and every other command take them.
+    EngineArgs.add_cli_args(p, exclude=("model",))
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: loopback only)")
@@ -81,7 +62,7 @@ def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from detlora.config import EngineConfig
+    from detlora.engine_args import EngineArgs
     from detlora.entrypoints.openai.server_config import ServerConfig
 
     try:
@@ -89,16 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"model directory {args.model} does not exist")
         modules = _lora_modules(args.lora_modules)
         lora = bool(modules) or args.enable_lora or args.enable_lora_loading
-        engine = EngineConfig(
-            model=args.model, enable_lora=lora, max_lora_rank=args.max_lora_rank,
-            max_loras=args.max_loras, determinism=args.determinism,
-            lora_reduction=args.lora_reduction, dtype=args.dtype, device=args.device,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-            seed=args.seed)
+        engine = EngineArgs.from_cli_args(args, model=args.model, enable_lora=lora)
         server = ServerConfig(
             model=args.model, served_model_name=args.served_model_name or args.model,
             host=args.host, port=args.port,
