@@ -20,6 +20,7 @@ PACKAGE = SRC / "detlora"
 LAYERS: dict[str, int] = {
     "detlora.config": 0,
     "detlora.engine_args": 0,
+    "detlora.log": 0,
     "detlora.json_files": 0,
     "detlora.ops": 1,
     "detlora.distributed": 2,

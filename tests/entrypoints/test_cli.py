@@ -20,12 +20,24 @@ def demo_assets(tmp_path_factory):
     return build_demo_assets(tmp_path_factory.mktemp("demo"))
 
 
-def test_demo_quick_runs_and_batch_invariant_is_identical():
+def test_demo_quick_runs_and_batch_invariant_is_identical(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "detlora.entrypoints.cli", "demo", "--quick"],
+    save = tmp_path / "saved"
+    proc = subprocess.run([sys.executable, "-m", "detlora.entrypoints.cli", "demo", "--tiny",
+                           "--quick", "--save", str(save)],
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    assert "batch_invariant: PASS" in proc.stdout and "-> '" in proc.stdout
+    # --save keeps a model that LLM(DIR) loads, its adapters, a chat template and single-token
+    # decision labels.
+    llm = LLM(str(save), device="cpu", enable_lora=True, max_lora_rank=8)
+    tok = llm.get_tokenizer()
+    assert all(len(tok.encode(w, add_special_tokens=False)) == 1 for w in ("yes", "no"))
+    msgs = [{"role": "user", "content": "the user asks"}]
+    lora = LoRARequest("a", 1, str(save / "adapters" / "a"))
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    assert llm.chat(msgs, sp, lora, use_tqdm=False)[0].outputs[0].token_ids
     header = next(line for line in lines if line.startswith("check"))
     assert "batch_invariant" in header and "run_to_run" in header
     rows = [line for line in lines if line.startswith(("repeat", "batch of", "reverse",
@@ -164,21 +176,30 @@ def test_chat_through_the_template(demo_assets):
     assert same.outputs[0].token_ids == chat.outputs[0].token_ids
 
 
-def test_progress_bar_draws_counts_and_rate():
+def test_generate_progress_is_tqdm_and_silent_off_a_terminal(demo_assets, capsys):
+    import detlora.entrypoints.llm as llm_module
+
+    assert not hasattr(llm_module, "ProgressBar")
+    llm = LLM(str(demo_assets[0]), device="cpu")
+    llm.generate([[5, 6], [7, 8]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+
+
+def test_generate_progress_on_a_terminal_counts_requests_and_tokens(demo_assets, monkeypatch):
     import io
 
-    from detlora.entrypoints.progress import ProgressBar
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
 
-    buf = io.StringIO()
-    bar = ProgressBar(3, desc="generate", stream=buf, interval=0.0)
-    bar.update(1, tokens=10)
-    bar.update(2, tokens=20)
-    bar.close()
-    text = buf.getvalue()
-    assert "generate: 1/3" in text and "3/3 [" + "#" * 30 + "]" in text and "tok/s" in text
-    silent = io.StringIO()
-    ProgressBar(2, stream=silent, enabled=False).update(2)
-    assert silent.getvalue() == ""
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    llm = LLM(str(demo_assets[0]), device="cpu")
+    llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(temperature=0.0, max_tokens=3,
+                                                           ignore_eos=True))
+    text = term.getvalue()
+    assert "Processed prompts" in text and "3/3" in text, text
+    assert "output: " in text and "tok/s" in text
 
 
 def test_version(capsys):

@@ -46,11 +46,14 @@ from detlora.engine.sched.sequence import Sequence as Seq
 from detlora.engine.tokenizer import Tokenizer
 from detlora.engine_args import EngineArgs
 from detlora.layers.backend import make_backend
+from detlora.log import get_logger
 from detlora.lora.request import LoRARequest
 from detlora.lora.stats import LoRAStats
 
 if TYPE_CHECKING:
     from detlora.lora.manager import LoRAManager
+
+logger = get_logger(__name__)
 
 PROMPT_BLOCK = 256  # prompt rows per LM head call when scoring prompts
 PREFETCH_DEPTH = 2  # adapters read ahead: this many times max_loras, from the waiting queue
@@ -91,6 +94,14 @@ def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> t
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def conversion_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype a checkpoint without one of its own (a GGUF file) is dequantized to: the
+    asked one, else float32 on the CPU and bfloat16 on CUDA (what ``auto`` runs)."""
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def stop_token_ids_of(model_dir: str | Path) -> tuple[int, ...]:
     """EOS ids from config.json and generation_config.json (an int or a list in each)."""
     ids: list[int] = []
@@ -123,6 +134,7 @@ class LLMEngine:
         logprobs). Without them outputs carry no text."""
         from detlora.layers.lora_slots import LoRAConfig
         from detlora.models.loader import load_model
+        from detlora.models.sources import resolve_model
         from detlora.models.spec import ModelSpec
 
         self.config = config
@@ -130,8 +142,11 @@ class LLMEngine:
         self.detokenize = detokenize or (tokenizer.decode if tokenizer is not None else None)
         self.token_text = token_text
         self._grammars: GrammarBackend | None = None
-        spec = ModelSpec.from_dir(config.model)
         self.device = resolve_device(config.device)
+        self.model_dir = resolve_model(
+            config.model, revision=config.revision, download_dir=config.download_dir,
+            dtype=conversion_dtype(config.dtype, self.device))
+        spec = ModelSpec.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
         self.determinism = config.resolved_determinism
         self.lora_reduction = config.resolved_lora_reduction
@@ -154,23 +169,32 @@ class LLMEngine:
         self.backend = backend
         lora_config = (LoRAConfig(config.max_loras, config.max_lora_rank)
                        if config.enable_lora else None)
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+        started = time.perf_counter()
+        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
                                 backend=backend, lora_config=lora_config,
                                 max_positions=self.max_model_len)
         self.spec = self.model.spec
+        logger.info("loaded %s (%s, %s) in %.1f s", config.model,
+                    self.spec.architecture, str(self.dtype).replace("torch.", ""),
+                    time.perf_counter() - started)
         self.lora_manager = None
         if config.enable_lora:
             from detlora.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, max_cpu_loras=config.max_cpu_loras)
 
+        started = time.perf_counter()
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        if config.num_kv_blocks is None and self.device.type == "cuda":
+            logger.info("KV cache sized from gpu_memory_utilization=%s in %.1f s",
+                        config.gpu_memory_utilization, time.perf_counter() - started)
         use_graphs = not config.enforce_eager and self.device.type == "cuda"
         # The runner hands over the LM head's output in the model's dtype (not upcast).
         self.sampler = Sampler(backend.argmax, backend.log_softmax,
                                chosen_logprob=backend.chosen_logprob, logits_dtype=self.dtype,
                                kernels=backend.sampling_kernels,
                                logprobs_mode=config.logprobs_mode)
+        started = time.perf_counter()
         self.runner = ModelRunner(
             self.model, greedy_head=self.sampler.greedy_head, device=self.device,
             num_blocks=num_blocks, block_size=config.block_size,
@@ -178,6 +202,9 @@ class LLMEngine:
             num_adapters=config.max_loras if config.enable_lora else None,
             use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        if self.runner.uses_cuda_graphs:
+            logger.info("CUDA graphs captured (compiling the kernels first) in %.1f s",
+                        time.perf_counter() - started)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.resolved_prefix_caching)
         self.scheduler = Scheduler(
@@ -186,7 +213,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else None,
         )
-        eos = list(stop_token_ids_of(config.model))
+        eos = list(stop_token_ids_of(self.model_dir))
         eos += [t for t in extra_eos_token_ids if t not in eos]
         self.eos_token_ids = tuple(eos)
         # Below batch_invariant the bits depend on how steps are batched, so what shapes the
@@ -212,6 +239,15 @@ class LLMEngine:
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
         self.is_shut_down = False
+        kv_gib = num_blocks * config.block_size * self.spec.kv_cache_bytes_per_token(
+            self.dtype) / 2**30
+        logger.info(
+            "engine ready: %s on %s, %s, determinism %s (LoRA reduction %s), KV cache %d "
+            "blocks of %d tokens (%.2f GiB), %s, fingerprint %s", config.model, self.device,
+            str(self.dtype).replace("torch.", ""), self.determinism.value,
+            self.lora_reduction.value, num_blocks, config.block_size, kv_gib,
+            "CUDA graphs" if self.runner.uses_cuda_graphs else "eager",
+            self.fingerprint_of(None))
 
     # ---- setup ----
 

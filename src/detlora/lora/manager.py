@@ -28,6 +28,7 @@ import torch
 
 from detlora.layers.forward_batch import LoRABatch
 from detlora.layers.linear import LinearBase
+from detlora.log import get_logger
 from detlora.lora.adapter import LoRAAdapter
 from detlora.lora.host_cache import (
     READ_WORKERS,
@@ -44,6 +45,8 @@ from detlora.lora.slot_writer import SlotWriter
 from detlora.lora.stats import LoRAStats
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.ops.adapter_groups import group_tokens
+
+logger = get_logger(__name__)
 
 
 class LoRAManager:
@@ -181,6 +184,8 @@ class LoRAManager:
             slot = self._copy_in(request, keep=self._step | {request.id})
             self.stats.slot_misses += 1
             self.stats.swap_seconds += time.perf_counter() - start
+            logger.debug("adapter %r (id %d) copied into slot %d in %.3f s", request.name,
+                         request.id, slot, time.perf_counter() - start)
         self.writer.use([slot])
         return slot
 
@@ -283,6 +288,7 @@ class LoRAManager:
             if i not in keep:
                 del self._slots[i]
                 self.stats.slot_evictions += 1
+                logger.debug("adapter id %d evicted from slot %d", i, slot)
                 return slot
         raise ValueError(f"all {self.max_loras} adapter slots hold adapters of the current "
                          "step; call begin_step with every request of the step first")

@@ -1,0 +1,61 @@
+"""Models from where users keep them: a directory, a Hub id (from the Hugging Face cache,
+offline), a .gguf file; and the errors that say what to do when none fits."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from detlora.config import SamplingParams
+from detlora.entrypoints.demo import build_demo_assets
+from detlora.entrypoints.llm import LLM
+from detlora.models.sources import cache_dir, resolve_model
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("DETLORA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "detlora"
+    monkeypatch.setenv("DETLORA_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_hub_id_from_the_cache_without_a_network(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    # The Hugging Face cache's layout: a snapshot per commit, refs/main naming it.
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    build_demo_assets(repo / "snapshots" / COMMIT)
+    shutil.rmtree(repo / "snapshots" / COMMIT / "adapters")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    llm = LLM("someone/tiny", download_dir=str(tmp_path / "hub"), device="cpu")
+    out = llm.generate("the user asks", SamplingParams(temperature=0.0, max_tokens=2),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2 and llm.engine_args.model == "someone/tiny"
+    with pytest.raises(FileNotFoundError, match="hf download someone/other"):
+        LLM("someone/other", download_dir=str(tmp_path / "hub"), device="cpu")
+
+
+@pytest.mark.parametrize(("name", "error", "message"), [
+    ("no/such/dir/here", FileNotFoundError, "model directory no/such/dir/here does not exist"),
+    ("missing.gguf", FileNotFoundError, "GGUF file missing.gguf does not exist"),
+])
+def test_models_that_are_nowhere(name, error, message):
+    with pytest.raises(error, match=message):
+        resolve_model(name)
+
+
+def test_files_that_are_not_models(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        resolve_model(str(fake))
+    text = tmp_path / "config.txt"
+    text.write_text("{}")
+    with pytest.raises(ValueError, match="is a file, not a model directory"):
+        resolve_model(str(text))
