@@ -227,9 +227,10 @@ def test_finite_garbage_bytes_in_an_adapter_error_their_row(llama_dir, llama_ada
     prompts = random_prompts(3, seed=43)
     loras = [None, LoRARequest("corrupt", 5, str(bad)),
              LoRARequest("a1", 2, str(llama_adapters[1]))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4), loras, use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0,
+                                                max_tokens=4), loras, use_tqdm=False)
     _assert_error(outs[1], "adapter 'corrupt'")
-    alone = llm.generate([prompts[0], prompts[2]], SamplingParams(max_tokens=4),
+    alone = llm.generate([prompts[0], prompts[2]], SamplingParams(temperature=0.0, max_tokens=4),
                          [loras[0], loras[2]], use_tqdm=False)
     assert same_outputs(outs[0], alone[0]) and same_outputs(outs[2], alone[1])
 
@@ -244,5 +245,6 @@ def test_non_finite_alpha_is_refused_when_loading(llama_dir, llama_adapters, tmp
     (bad / "adapter_config.json").write_text(json.dumps(cfg)[:-1] + f', "lora_alpha": {alpha}}}')
     llm = _llm(llama_dir, "fast")
     with pytest.raises(ValueError, match="lora_alpha must be a finite positive number"):
-        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), LoRARequest("x", 3, str(bad)),
+        llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0,
+                                                 max_tokens=2), LoRARequest("x", 3, str(bad)),
                      use_tqdm=False)

@@ -172,7 +172,7 @@ def test_pattern_matching_never_holds_the_engine_step(llama_dir, tmp_path, llama
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {RUNAWAY: 8}}))
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
               max_model_len=64)
-    sp = SamplingParams(max_tokens=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
     t = time.monotonic()
     with pytest.raises(ValueError, match=r"rank_pattern key .* took more than 1 s"):
         llm.generate([[3, 4, 5], [6, 7, 8]], sp, [None, LoRARequest("bad", 1, str(bad))],
