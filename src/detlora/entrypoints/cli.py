@@ -143,7 +143,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from detlora.engine_args import EngineArgs
     from detlora.entrypoints.demo import run_demo
 
-    if args.device == "cpu" or not torch.cuda.is_available():
+    if args.tiny and (args.device == "cpu" or not torch.cuda.is_available()):
         # Tiny matrices: thread fan-out costs more than it gains (and suffers on busy hosts).
         torch.set_num_threads(1)
     levels = args.levels.split(",") if args.levels else None
