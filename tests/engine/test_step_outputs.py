@@ -97,7 +97,7 @@ def test_stop_strings_are_never_streamed(llm):
 
 
 def test_detokenize_false_gives_ids_only(llm):
-    sp = SamplingParams(max_tokens=4, detokenize=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, detokenize=False)
     out = llm.generate("yes no", sp, use_tqdm=False)[0].outputs[0]
     assert out.text == "" and len(out.token_ids) == 4
 
@@ -117,6 +117,6 @@ def test_incremental_detokenizer_never_splits_a_character(chat_model):
 
 def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind=7)
+        SamplingParams(temperature=0.0, output_kind=7)
     with pytest.raises(ValueError, match="detokenize"):
-        SamplingParams(detokenize="yes")
+        SamplingParams(temperature=0.0, detokenize="yes")

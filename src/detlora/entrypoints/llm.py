@@ -62,12 +62,13 @@ class LLM:
         elif args.tokenizer_revision is not None:
             raise ValueError("tokenizer_revision applies to a Hub tokenizer id given as "
                              "tokenizer=...")
-        self._tokenizer: Tokenizer | None = None
+        # detlora's own wrapper (encode, chat, decode); get_tokenizer() is Hugging Face's.
+        self.tokenizer: Tokenizer | None = None
         if not args.skip_tokenizer_init and (args.tokenizer is not None
                                              or has_tokenizer(tok_dir)):
-            self._tokenizer = Tokenizer(tok_dir, mode=args.tokenizer_mode,
+            self.tokenizer = Tokenizer(tok_dir, mode=args.tokenizer_mode,
                                         trust_remote_code=args.trust_remote_code)
-        tok = self._tokenizer
+        tok = self.tokenizer
         self.engine = LLMEngine(
             local,
             detokenize=tok.decode if tok else None,
@@ -84,7 +85,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer (None with ``skip_tokenizer_init`` or a model directory
         without one)."""
-        return self._tokenizer.hf if self._tokenizer is not None else None
+        return self.tokenizer.hf if self.tokenizer is not None else None
 
     def register_lora(self, lora_request: LoRARequest) -> None:
         """Register an adapter by path without reading it (``LLMEngine.register_lora``)."""
@@ -125,13 +126,13 @@ class LLM:
                    chat: Mapping[str, Any]) -> tuple[list[int], str | None]:
         if p.token_ids is not None:
             return list(p.token_ids), p.text
-        if self._tokenizer is None:
+        if self.tokenizer is None:
             raise ValueError(f"{where} is text or chat, but the engine has no tokenizer: pass "
                              "token ids")
         if p.messages is not None:
-            return self._tokenizer.encode_chat(p.messages, **chat), None
+            return self.tokenizer.encode_chat(p.messages, **chat), None
         assert p.text is not None
-        return self._tokenizer.encode(p.text), p.text
+        return self.tokenizer.encode(p.text), p.text
 
     def generate(
         self,
@@ -230,7 +231,7 @@ class LLM:
         ``questions`` maps ids to {"type": "noul" | "choice" | "score", "criteria": ...,
         "instructions"?: ...}. One read per question, all questions in one batch (they share
         the state's prefix pages); equal fingerprints give equal probabilities."""
-        reads = plan_reads(self._tokenizer, state, parse_questions(questions), instructions)
+        reads = plan_reads(self.tokenizer, state, parse_questions(questions), instructions)
         sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
         for r in reads:
