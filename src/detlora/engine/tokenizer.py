@@ -42,7 +42,7 @@ class Tokenizer:
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
         continue_final_message: bool = False, chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
