@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from detlora.distributed.group import TensorParallelGroup
+from detlora.distributed.sharding import even_shard, kv_head_shard
 from detlora.layers.backend import OpBackend
-from detlora.layers.linear import Linear, MergedLinear
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.layers.norm import RMSNorm
+from detlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from detlora.layers.rotary import RotaryEmbedding
 from detlora.ops.adapter_groups import AdapterGroups
 
@@ -20,6 +22,10 @@ if TYPE_CHECKING:  # the contract lives in models/; layers only read it
 
 
 class Attention(nn.Module):
+    """``num_heads`` query and ``num_kv_heads`` KV heads of the whole layer; with a
+    tensor-parallel group, this rank computes its share of them (heads are independent, so
+    their bits do not depend on the split): q|k|v column-parallel, o row-parallel."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -34,24 +40,32 @@ class Attention(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         lora: LoRAConfig | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
             )
+        tp = tp or TensorParallelGroup.single()
         self.backend = backend
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        q_heads = even_shard(num_heads, tp.rank, tp.size)
+        kv_heads = kv_head_shard(num_kv_heads, tp.rank, tp.size)
+        # Heads held here (all of them on one rank).
+        self.num_heads = q_heads[1] - q_heads[0]
+        self.num_kv_heads = kv_heads[1] - kv_heads[0]
         self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora)
-        self.qkv_proj = MergedLinear(
-            hidden_size, (self.q_size, self.kv_size, self.kv_size), **common
-        )
-        self.o_proj = Linear(self.q_size, hidden_size, **common)
+        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora, tp=tp)
+        q_rows = (q_heads[0] * head_dim, q_heads[1] * head_dim)
+        kv_rows = (kv_heads[0] * head_dim, kv_heads[1] * head_dim)
+        full_kv = num_kv_heads * head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            hidden_size, (num_heads * head_dim, full_kv, full_kv),
+            shards=(q_rows, kv_rows, kv_rows), **common)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, **common)
         self.rotary = rotary
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

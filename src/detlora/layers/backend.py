@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from detlora.config import DEFAULT_DETERMINISM, DEFAULT_LORA_REDUCTION, Determinism, LoRAReduction
+from detlora.ops import grouped_linear
 from detlora.ops._runtime import interpreting
 
 
@@ -59,6 +60,19 @@ class OpBackend:
     lora_shrink: Callable[..., torch.Tensor]  # (x, lora_a, groups, scale, out=None)
     # (y, shrink_out, lora_b, groups, slice_offsets) -> y, updated in place.
     lora_expand: Callable[..., torch.Tensor]
+    # Linears of tensor-parallel layers (detlora.ops.grouped_linear; layers/parallel_linear.py),
+    # both with ``linear``'s optional slot_columns:
+    # (x, weight, bias, full_n) -> x W^T + b, each output reduced over K as in the layer of
+    # ``full_n`` (base) outputs that W is a column shard of (its bits, whatever the shard's
+    # width);
+    column_linear: Callable[..., torch.Tensor]
+    # (x, weight, bias, groups) -> x W^T + b with K summed as ``groups`` ordered group partials
+    # at batch_invariant (the tree every tensor-parallel size reproduces), else ``linear``;
+    row_linear: Callable[..., torch.Tensor]
+    # (x, weight, groups) -> fp32 [groups, M, N], each group's partial from zero;
+    linear_partials: Callable[..., torch.Tensor]
+    # (partials [G, M, N] fp32, bias, dtype) -> their sum in group order plus bias, rounded.
+    sum_partials: Callable[..., torch.Tensor]
     device: torch.device
     determinism: Determinism
     lora_reduction: LoRAReduction
@@ -87,6 +101,13 @@ class OpBackend:
         """True when every adapter slot's A rides as extra output columns of the base
         weight, so linear layers reserve room for them."""
         return self.lora_reduction is LoRAReduction.IN_GEMM
+
+    @property
+    def exact_reductions(self) -> bool:
+        """True when a reduction across tensor-parallel ranks must give one device's bits
+        (batch_invariant): ranks gather fp32 partials and add them in a fixed order, never
+        through a collective's own arithmetic."""
+        return self.determinism is Determinism.BATCH_INVARIANT
 
     @property
     def name(self) -> str:
@@ -249,6 +270,22 @@ def _reference_backend(
             ops[op] = getattr(cpu_invariant, op)
             impls[op] = f"cpu_invariant.{op}"
     impls["lora_shrink"] = _shrink_impl(reduction, impls, impls["lora_shrink"])
+    linear = ops["linear"]
+    ops["column_linear"] = lambda x, weight, bias, full_n, slot_columns=None: linear(
+        x, weight, bias, slot_columns=slot_columns)
+    impls["column_linear"] = impls["linear"]
+    if level is Determinism.BATCH_INVARIANT and device.type == "cpu":
+        from detlora.ops import cpu_invariant
+
+        ops["row_linear"] = cpu_invariant.linear_grouped
+        ops["linear_partials"] = cpu_invariant.linear_partials
+        impls["row_linear"] = "cpu_invariant.linear_grouped"
+    else:
+        ops["row_linear"] = lambda x, weight, bias, groups, slot_columns=None: linear(
+            x, weight, bias, slot_columns=slot_columns)
+        ops["linear_partials"] = grouped_linear.linear_partials_ref
+        impls["row_linear"] = impls["linear"]
+    ops["sum_partials"] = grouped_linear.sum_partials
     return OpBackend(**ops, device=device, determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls))
 
@@ -346,6 +383,27 @@ def _kernel_backend(
               "rotary_write_kv": "rotary_write_kv.rotary_write_kv",
               "lora_expand_rotary_write_kv":
                   "lora_expand_rotary_write_kv.lora_expand_rotary_write_kv"}
+    linear_op = ops["linear"]
+    if level is Determinism.BATCH_INVARIANT and impls["linear"] == "matmul.linear":
+        from detlora.ops.matmul import k_split
+        from detlora.ops.matmul import linear as bi_linear
+
+        def column_linear(x, weight, bias, full_n, slot_columns=None):
+            return bi_linear(x, weight, bias, slot_columns=slot_columns,
+                             split=k_split(full_n, weight.shape[1], weight.dtype))
+
+        ops |= {"column_linear": column_linear, "row_linear": grouped_linear.linear_grouped,
+                "linear_partials": grouped_linear.linear_partials}
+        impls |= {"column_linear": "matmul.linear[k_split of the full layer]",
+                  "row_linear": "grouped_linear.linear_grouped"}
+    else:
+        ops |= {"column_linear": lambda x, weight, bias, full_n, slot_columns=None: linear_op(
+                    x, weight, bias, slot_columns=slot_columns),
+                "row_linear": lambda x, weight, bias, groups, slot_columns=None: linear_op(
+                    x, weight, bias, slot_columns=slot_columns),
+                "linear_partials": grouped_linear.linear_partials_ref}
+        impls |= {"column_linear": impls["linear"], "row_linear": impls["linear"]}
+    ops["sum_partials"] = grouped_linear.sum_partials
     return OpBackend(**ops, lora_shrink=shrink, lora_expand=expand, device=device,
                      determinism=level, lora_reduction=reduction,
                      impls=MappingProxyType(impls), sampling_kernels=device.type == "cuda",

@@ -3,13 +3,13 @@
 ``MergedLinear`` stacks several projections that read the same input into one weight (q/k/v
 with their unequal GQA widths, gate/up), so one GEMM and one LoRA shrink serve all of them.
 
-Tensor parallelism slots in beside these classes by overriding the sharding hooks of
-``LinearBase``: ``local_sizes`` (the part of the layer this rank holds), ``shard`` (cut a
-full checkpoint or adapter tensor down to that part) and ``forward_unexpanded`` where the
-output needs a reduction (row-parallel: all-reduce the base output and the shrink output;
-with ``in_gemm`` the shrink columns ride in the base output, so one all-reduce serves both).
-Loaders and the LoRA manager always hand over *full* tensors and never need to know how the
-layer is split.
+Tensor parallelism (layers/parallel_linear.py) slots in beside these classes by overriding
+the sharding hooks of ``LinearBase``: ``local_sizes`` (the part of the layer this rank holds),
+``shard`` (cut a full checkpoint or adapter tensor down to that part), ``gemm`` (which linear
+computes the held part) and ``forward_unexpanded`` where the output needs a reduction
+(row-parallel: the base output and the shrink output; with ``in_gemm`` the shrink columns
+ride in the base output, so one reduction serves both). Loaders and the LoRA manager always
+hand over *full* tensors and never need to know how the layer is split.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 from detlora.layers.backend import OpBackend
 from detlora.layers.lora_slots import LoRAConfig, LoRASlots, PendingLoRA
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.slot_columns import SlotColumns
 
 
 class LinearBase(nn.Module):
@@ -89,6 +90,14 @@ class LinearBase(nn.Module):
         del slice_index, dim
         return tensor
 
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             slot_columns: SlotColumns | None = None) -> torch.Tensor:
+        """x W^T (+ b) for the held weight (with ``in_gemm``, the A rows after W's, whose
+        ``slot_columns`` the GEMM may skip where no row uses them)."""
+        if slot_columns is None:
+            return self.backend.linear(x, weight, bias)
+        return self.backend.linear(x, weight, bias, slot_columns=slot_columns)
+
     # ---- loading ----
 
     def load_weight(self, tensor: torch.Tensor, slice_index: int = 0) -> None:
@@ -148,15 +157,15 @@ class LinearBase(nn.Module):
         """(x W^T (+ b), the LoRA term still to expand into it, or None without LoRA): for a
         consumer that fuses the expand into its own op (``GatedMLP``)."""
         if self.lora is None or lora is None:
-            return self.backend.linear(x, self.weight, self.bias), None
+            return self.gemm(x, self.weight, self.bias), None
         if self.gemm_weight is not None:
             n = self.weight.shape[0]
-            y_cat = self.backend.linear(x, self.gemm_weight, self.gemm_bias,
-                                        slot_columns=self.lora.slot_columns(n, lora))
+            y_cat = self.gemm(x, self.gemm_weight, self.gemm_bias,
+                              slot_columns=self.lora.slot_columns(n, lora))
             y, h = self.lora.split_in_gemm(y_cat, n)
         else:
             y, h = self.lora.shrink_beside(
-                x, lambda: self.backend.linear(x, self.weight, self.bias), lora, self.backend)
+                x, lambda: self.gemm(x, self.weight, self.bias), lora, self.backend)
         if self.lora_observer is not None:
             self.lora_observer(self, x, h, lora)
         return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets)

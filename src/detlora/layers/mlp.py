@@ -6,13 +6,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from detlora.distributed.group import TensorParallelGroup
 from detlora.layers.backend import OpBackend
-from detlora.layers.linear import Linear, MergedLinear
 from detlora.layers.lora_slots import LoRAConfig
+from detlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from detlora.ops.adapter_groups import AdapterGroups
 
 
 class GatedMLP(nn.Module):
+    """With a tensor-parallel group, this rank holds a share of the intermediate columns:
+    gate|up column-parallel (the activation is elementwise), down row-parallel."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -23,12 +27,14 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         lora: LoRAConfig | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
-        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora)
-        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size,) * 2, **common)
-        self.down_proj = Linear(intermediate_size, hidden_size, **common)
+        common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora, tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (intermediate_size,) * 2,
+                                                 **common)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, **common)
 
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
         gate_up, pending = self.gate_up_proj.forward_unexpanded(x, lora)

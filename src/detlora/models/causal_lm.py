@@ -15,6 +15,12 @@ The engine (``engine/``) talks to a model through these methods only:
     model.weights_hash()                     # for fingerprints
     model.lora_linears(), model.lora_target_shapes()      # for the LoRA manager
 
+With a tensor-parallel group (``tp``) the model is this rank's shard: attention heads, MLP
+columns and vocabulary rows split over the ranks (layers/parallel_linear.py,
+layers/vocab_parallel.py), the KV cache holds this rank's KV heads, and ``forward`` returns
+the full logits on every rank. Checkpoint and adapter tensors are handed over whole; each
+layer keeps its part.
+
 ``forward`` does no host synchronisation of its own and keeps no per-step state, so it can be
 captured in a CUDA graph around static ForwardBatch tensors.
 """
@@ -27,16 +33,22 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from detlora.distributed.group import TensorParallelGroup
+from detlora.distributed.sharding import check_shardable
 from detlora.layers.attention import Attention
 from detlora.layers.backend import OpBackend
 from detlora.layers.decoder_layer import DecoderLayer
-from detlora.layers.embedding import VocabEmbedding
 from detlora.layers.forward_batch import ForwardBatch
-from detlora.layers.linear import Linear, LinearBase
+from detlora.layers.linear import LinearBase
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.layers.mlp import GatedMLP
 from detlora.layers.norm import RMSNorm
 from detlora.layers.rotary import RotaryEmbedding
+from detlora.layers.vocab_parallel import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 from detlora.models.kv_cache import KVCache
 from detlora.models.spec import ModelSpec
 
@@ -65,6 +77,7 @@ class DecoderForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         lora: LoRAConfig | None = None,
         max_positions: int | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         if spec.architecture != self.architecture:
@@ -76,8 +89,13 @@ class DecoderForCausalLM(nn.Module):
         self.lora_config = lora
         self.max_positions = max_positions or spec.max_position_embeddings
         self._weights_hash: str | None = None
+        self.tp = tp or TensorParallelGroup.single(device or "cpu")
+        if not self.tp.is_single:
+            check_shardable(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                            intermediate_size=spec.intermediate_size, size=self.tp.size)
         kw = dict(backend=backend, dtype=self.dtype, device=device)
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, **kw)
+        par = dict(kw, tp=self.tp)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, **par)
         # One cos/sin table shared by every layer.
         rotary = RotaryEmbedding(spec.head_dim, self.max_positions, spec.rope_theta,
                                  spec.rope_scaling, backend=backend, device=device)
@@ -86,18 +104,18 @@ class DecoderForCausalLM(nn.Module):
                 Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                           rotary, bias=spec.attention_bias,
                           qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
-                          lora=lora, **kw),
+                          lora=lora, **par),
                 GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                         lora=lora, **kw),
+                         lora=lora, **par),
                 RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
                 RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
             )
             for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
-        self.lm_head: Linear | None = (
+        self.lm_head: ParallelLMHead | None = (
             None if spec.tie_word_embeddings
-            else Linear(spec.hidden_size, spec.vocab_size, bias=False, **kw)
+            else ParallelLMHead(spec.vocab_size, spec.hidden_size, **par)
         )
 
     # ---- compute ----
@@ -120,7 +138,8 @@ class DecoderForCausalLM(nn.Module):
         fp32 copy.
         """
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.backend.linear(hidden, head, None)
+        logits = vocab_parallel_logits(self.backend, self.tp, hidden, head,
+                                       self.spec.vocab_size)
         return logits.float() if upcast else logits
 
     def forward(
@@ -143,9 +162,20 @@ class DecoderForCausalLM(nn.Module):
 
     # ---- KV cache ----
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads whose pages this rank holds (all of them on one rank)."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in bytes, for the KV heads held here."""
+        full = self.spec.kv_cache_bytes_per_token(self.dtype)
+        return full * self.num_local_kv_heads // self.spec.num_kv_heads
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         kv = KVCache.allocate(self.spec, num_blocks, block_size, dtype=self.dtype,
-                              device=self.embed_tokens.weight.device)
+                              device=self.embed_tokens.weight.device,
+                              num_kv_heads=self.num_local_kv_heads)
         self.bind_kv_cache(kv)
         return kv
 

@@ -43,7 +43,9 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_kv_heads: int | None = None,
     ) -> KVCache:
+        """``num_kv_heads``: the heads held here (a tensor-parallel shard; default: all)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}"
@@ -51,7 +53,8 @@ class KVCache:
         # Zeros, not empty: pages are only read where written, but zeros keep stale NaNs out
         # of masked lanes of any kernel.
         pages = torch.zeros(
-            2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+            2, spec.num_layers, num_blocks, block_size, num_kv_heads or spec.num_kv_heads,
+            spec.head_dim,
             dtype=dtype, device=device,
         )
         return cls(k=tuple(pages[0].unbind(0)), v=tuple(pages[1].unbind(0)))

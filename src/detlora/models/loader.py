@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from detlora.distributed.group import TensorParallelGroup
 from detlora.layers.backend import OpBackend, make_backend
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.models.causal_lm import DecoderForCausalLM
@@ -46,12 +47,14 @@ def load_model(
     backend: OpBackend | None = None,
     lora_config: LoRAConfig | None = None,
     max_positions: int | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> DecoderForCausalLM:
     """Build the model named by ``path/config.json`` and load its weights.
 
     ``dtype`` defaults to the checkpoint's; ``backend`` to ``make_backend(device)``;
     ``lora_config`` reserves adapter slots (None: no LoRA); ``max_positions`` bounds the
-    rotary table (default: max_position_embeddings).
+    rotary table (default: max_position_embeddings); ``tp`` makes it this rank's shard (every
+    rank reads whole tensors and keeps its part; the weights hash is the whole model's).
     """
     path = Path(path)
     spec = ModelSpec.from_dir(path)
@@ -62,11 +65,12 @@ def load_model(
         raise ValueError(f"backend is for {backend.device.type}, the model for {device.type}")
     model = ARCHITECTURES[spec.architecture](
         spec, backend=backend, dtype=dtype, device=device, lora=lora_config,
-        max_positions=max_positions,
+        max_positions=max_positions, tp=tp,
     )
     expected = model.hf_weights()
     digests: dict[str, str] = {}
     tied_head: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None
     unexpected: list[str] = []
     for file in checkpoint_files(path):
         with _opened(file) as f:
@@ -89,6 +93,8 @@ def load_model(
                                      f"{tuple(t.shape)}, expected {shape} from config.json")
                 loaded = t.to(dtype)
                 digests[name] = tensor_digest(loaded)
+                if name == "model.embed_tokens.weight":
+                    embedding = loaded
                 on_device = loaded.to(device)
                 _check_weight(on_device, t, f"{path}: weight {name!r} in {file.name}")
                 load(on_device)
@@ -99,7 +105,8 @@ def load_model(
     if missing:
         raise ValueError(f"{path}: {len(missing)} weight(s) missing from the checkpoint, "
                          f"e.g. {missing[:5]}")
-    if tied_head is not None and not torch.equal(tied_head, model.embed_tokens.weight.cpu()):
+    if tied_head is not None and embedding is not None and not torch.equal(tied_head,
+                                                                           embedding):
         raise ValueError(f"{path}: tie_word_embeddings is true but lm_head.weight differs "
                          "from model.embed_tokens.weight")
     meta = {"spec": spec.canonical(), "dtype": str(dtype).replace("torch.", "")}

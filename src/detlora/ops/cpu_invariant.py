@@ -6,10 +6,17 @@ attention's softmax and ``P @ V`` change with the context length), so the bits o
 with the batch, with prefill chunking and between prefill and decode. Here every reduction
 runs in calls whose shapes do not depend on the batch:
 
-* GEMMs (linear, LoRA shrink and expand): rows are cut into tiles of ``ROW_TILE`` (the last
-  one zero-padded) and each tile is one ``torch.mm`` of fixed shape ``[ROW_TILE, K] x [K, N]``;
-  a row's bits then depend only on its own values and (N, K). CPU BLAS computes a tile row
-  the same way wherever it sits in the tile (checked in tests/engine).
+* GEMMs (linear, LoRA shrink and expand): rows are cut into tiles of ``ROW_TILE`` and
+  output columns into tiles of ``COL_TILE`` (the last ones zero-padded); every tile is one
+  product of fixed shape ``[ROW_TILE, K] x [K, COL_TILE]``, the column tiles of a row tile
+  one ``torch.bmm``. An output element's bits then depend only on its row, its column of W
+  and K: not on the batch, and not on how many columns the call computes, so a column shard
+  of a layer (tensor parallelism) gets the bits the whole layer gives (CPU BLAS picks other
+  kernels for narrow outputs, which a whole-width ``torch.mm`` per tile would expose). CPU
+  BLAS computes a tile row the same way wherever it sits in the tile (checked in
+  tests/engine).
+* grouped linears (``linear_grouped``, ``linear_partials``; see ``detlora.ops.grouped_linear``):
+  the same tiles over each K group, fp32 partials added in group order.
 * attention: per sequence, the keys are visited in blocks of ``KV_BLOCK`` positions (aligned
   to position 0, not to pages), each block's scores and ``P @ V`` reduced over a fixed-length
   innermost axis, blocks merged in position order with an online softmax. Blocks after a
@@ -28,25 +35,47 @@ from collections.abc import Sequence
 import torch
 
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.grouped_linear import sum_partials
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
 from detlora.ops.slot_columns import SlotColumns
 
 ROW_TILE = 16
+COL_TILE = 16
 KV_BLOCK = 16
 
 
+def _column_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] as fp32 [ceil(N / COL_TILE), COL_TILE, K], zero rows padding the last tile."""
+    n, k = w.shape
+    cols = -(-n // COL_TILE)
+    w = w.float()
+    if n % COL_TILE:
+        w = torch.cat([w, w.new_zeros(cols * COL_TILE - n, k)])
+    return w.reshape(cols, COL_TILE, k)
+
+
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [M, K] @ w[N, K]^T`` in fixed ``ROW_TILE``-row tiles: [M, N] fp32."""
+    """fp32 ``x [M, K] @ w[N, K]^T`` in fixed ``ROW_TILE`` x ``COL_TILE`` tiles: [M, N] fp32."""
+    return _tiled_partials(x, w, 1)[0]
+
+
+def _tiled_partials(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 [G, M, N]: group g is ``x[:, Kg-slice g] @ w[:, Kg-slice g]^T`` in fixed tiles."""
     m, k = x.shape
     n = w.shape[0]
-    wt = w.float().t()
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    kg = k // groups
+    wt = _column_tiles(w).transpose(1, 2)  # [C, K, COL_TILE]
+    cols = wt.shape[0]
+    out = torch.empty(groups, m, n, dtype=torch.float32, device=x.device)
     tile = torch.zeros(ROW_TILE, k, dtype=torch.float32, device=x.device)
     for lo in range(0, m, ROW_TILE):
         hi = min(lo + ROW_TILE, m)
         tile.zero_()
         tile[: hi - lo] = x[lo:hi]
-        out[lo:hi] = torch.mm(tile, wt)[: hi - lo]
+        for g in range(groups):
+            ks = slice(g * kg, (g + 1) * kg)
+            part = torch.bmm(tile[:, ks].expand(cols, ROW_TILE, kg), wt[:, ks])  # [C, R, CT]
+            out[g, lo:hi] = part.transpose(0, 1).reshape(ROW_TILE, -1)[: hi - lo, :n]
     return out
 
 
@@ -73,6 +102,24 @@ def _linear_columns(x: torch.Tensor, weight: torch.Tensor,
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.grouped_linear.linear_partials_ref``: fp32 [G, M, N]."""
+    if weight.shape[1] != x.shape[1] or x.shape[1] % groups:
+        raise ValueError(f"groups {groups} must divide K, and x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)} must agree on it")
+    return _tiled_partials(x.float(), weight, groups)
+
+
+def linear_grouped(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: int,
+    *, slot_columns: SlotColumns | None = None,
+) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.grouped_linear.linear_grouped_ref`` (every column
+    computed, so the bits are those of the ranks' partials)."""
+    del slot_columns
+    return sum_partials(linear_partials(x, weight, groups), bias, x.dtype)
 
 
 def lora_shrink(

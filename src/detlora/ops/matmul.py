@@ -113,6 +113,22 @@ class KSplit:
         """True when this split was made for a K of ``k`` (same chunk count)."""
         return self.num_chunks == cdiv(cdiv(k, self.block_k), self.chunk_blocks)
 
+    @classmethod
+    def one_chain(cls, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
+        """All of K in one chunk: one MMA chain from zero, BLOCK_K after BLOCK_K."""
+        block_k = _block_k(dtype)
+        return cls(block_k, cdiv(k, block_k), 1)
+
+    @classmethod
+    def equal_groups(cls, k: int, groups: int, dtype: torch.dtype = torch.bfloat16
+                     ) -> KSplit | None:
+        """K cut into ``groups`` chunks of K / groups each, when those are whole BLOCK_K
+        blocks (None otherwise): the sum of the groups' one-chain partials in group order."""
+        block_k = _block_k(dtype)
+        if k % groups or (k // groups) % block_k:
+            return None
+        return cls(block_k, k // groups // block_k, groups)
+
 
 def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
     """The reduction order for an [N, K] weight: a function of (N, K, dtype) alone.
@@ -124,7 +140,7 @@ def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
     until about two CTAs per SM. fp32 dots run on FMA units in 64-wide tiles and keep the
     split for every N below 4096.
     """
-    block_k = 32 if dtype == torch.float32 else 64
+    block_k = _block_k(dtype)
     tile_n = _FP32_DECODE_BLOCK_N if dtype == torch.float32 else _DECODE_BLOCK_N
     tiles = cdiv(n, tile_n)
     chunks = 1
@@ -132,6 +148,10 @@ def k_split(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> KSplit:
         want = cdiv(2 * _REF_SMS, tiles)
         chunks = max(1, min(want, cdiv(k, block_k) // _MIN_CHUNK_BLOCKS, _MAX_CHUNKS))
     return KSplit.for_chunks(k, block_k, chunks)
+
+
+def _block_k(dtype: torch.dtype) -> int:
+    return 32 if dtype == torch.float32 else 64
 
 
 @dataclass(frozen=True)
@@ -188,13 +208,14 @@ _GRID_TILES = tuple(
 
 def matmul_config(
     m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, batch: int = 1,
-    num_sms: int = _REF_SMS, *, split_n: int | None = None,
+    num_sms: int = _REF_SMS, *, split_n: int | None = None, split: KSplit | None = None,
 ) -> MatmulConfig:
     """The tiling for an [M, K] @ [K, N] call (``batch`` of them for bmm).
 
     ``k_split`` comes from (N, K, dtype) only (``split_n`` in place of N: tiles sized for the
-    columns a call is expected to compute, the bits of the full width); M, batch and
-    ``num_sms`` pick tiles and path:
+    columns a call is expected to compute, the bits of the full width), unless ``split``
+    gives it (a column shard of a wider layer keeps the layer's split; a row-parallel layer
+    sums fixed K groups); M, batch and ``num_sms`` pick tiles and path:
 
         bf16/fp16, M <= 64     split path, BLOCK_M 16/32/64, BLOCK_N 64 (32, then 16, while
                                that gives too few CTAs), 128-256-wide K loads, 4 warps
@@ -210,7 +231,7 @@ def matmul_config(
         fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
                                up to M = 64, persistent above
     """
-    ks = k_split(n if split_n is None else split_n, k, dtype)
+    ks = split or k_split(n if split_n is None else split_n, k, dtype)
     multi = ks.num_chunks > 1
     if dtype == torch.float32:
         # Full-fp32 dots run on FMA units: small tiles, and the same for every M.
@@ -561,12 +582,14 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, *, config: MatmulConfig | None = None,
     workspace: MatmulWorkspace | None = None, slot_columns: SlotColumns | None = None,
+    split: KSplit | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x [M, K], weight [N, K] (as nn.Linear stores it), bias [N].
 
     Bit-identical to ``matmul(x, weight.T)`` plus the bias in fp32 before the one rounding.
     ``slot_columns``: columns of adapter slots no row uses may be left unwritten (split path;
-    see ``SlotColumns``).
+    see ``SlotColumns``). ``split`` replaces ``k_split(N, K)`` (and the slot columns' split)
+    as the reduction order (``config`` wins over it).
     """
     x = check_tensor("x", x, ndim=2, dtypes=_DTYPES)
     weight = check_tensor("weight", weight, ndim=2, dtypes=_DTYPES)
@@ -582,15 +605,17 @@ def linear(
     if slot_columns is not None:
         _check_slot_columns(slot_columns, n, x)
     _launch(x.unsqueeze(0), weight.t().unsqueeze(0), out.unsqueeze(0), bias, config, workspace,
-            slot_columns)
+            slot_columns, split=split)
     return out
 
 
 def bmm(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *,
     config: MatmulConfig | None = None, workspace: MatmulWorkspace | None = None,
+    split: KSplit | None = None,
 ) -> torch.Tensor:
-    """``a @ b`` for a [B, M, K] and b [B, K, N]; every (batch, row) is batch-invariant."""
+    """``a @ b`` for a [B, M, K] and b [B, K, N]; every (batch, row) is batch-invariant.
+    ``split`` replaces ``k_split(N, K)`` as the reduction order."""
     a = check_tensor("a", a, ndim=3, dtypes=_DTYPES)
     b = check_tensor("b", b, ndim=3, dtypes=_DTYPES)
     if b.shape[0] != a.shape[0]:
@@ -598,7 +623,7 @@ def bmm(
     _check_pair("a", a, "b", b, b.shape[1])
     out = _out_or_new(out, (a.shape[0], a.shape[1], b.shape[2]), a)
     check_same_device(a=a, b=b, out=out)
-    _launch(a, b, out, None, config, workspace)
+    _launch(a, b, out, None, config, workspace, split=split)
     return out
 
 
@@ -738,22 +763,22 @@ def _tma_desc(t: torch.Tensor, block: list[int], transpose: bool) -> TensorDescr
 def _launch(
     a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
     config: MatmulConfig | None, workspace: MatmulWorkspace | None,
-    slot_columns: SlotColumns | None = None,
+    slot_columns: SlotColumns | None = None, split: KSplit | None = None,
 ) -> None:
     """a [B, M, K] @ b [B, K, N] (+ bias [N] or a bias expanded to [M, N]) into out."""
     batch, m, k = a.shape
     n = b.shape[2]
     sms = _num_sms(a.device)
     if config is None and slot_columns is None:
-        config = matmul_config(m, n, k, a.dtype, batch, sms)
+        config = matmul_config(m, n, k, a.dtype, batch, sms, split=split)
     elif config is None:
         # The K split of the base columns alone, so no column's bits depend on how many slots
         # ride along; on the split path, tiles sized for the base and one slot's columns
         # (what decode with one adapter computes).
         first = slot_columns.first
-        config = matmul_config(m, n, k, a.dtype, batch, sms, split_n=first)
+        config = matmul_config(m, n, k, a.dtype, batch, sms, split_n=first, split=split)
         narrow = matmul_config(m, first + slot_columns.width, k, a.dtype, batch, sms,
-                               split_n=first)
+                               split_n=first, split=split)
         if config.split_ctas and narrow.split_ctas:
             config = narrow
     cfg = _check_config(config, k, a.dtype)

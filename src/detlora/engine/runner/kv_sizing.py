@@ -16,7 +16,8 @@ CPU_KV_BYTES = 256 * 2**20
 
 
 def block_bytes(model: torch.nn.Module, block_size: int) -> int:
-    return block_size * model.spec.kv_cache_bytes_per_token(model.dtype)
+    """Bytes of one KV page on this rank (its KV heads only, under tensor parallelism)."""
+    return block_size * model.kv_cache_bytes_per_token()
 
 
 def cpu_num_blocks(model: torch.nn.Module, *, block_size: int, max_num_seqs: int,
