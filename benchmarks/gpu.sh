@@ -12,6 +12,7 @@
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
 #                     study-tests multi-lora-tests
+#                     tensor-parallel-tests (2+ GPUs for most)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap | attention-tiles
@@ -22,6 +23,7 @@
 #                     $STUDY_ARGS adds options, e.g. --reductions ordered; installs .whl/*.whl
 #                     first, where matplotlib's wheels give the figures; without them
 #                     `detlora study --render out/study` draws them from study.json)
+#                     | tensor-parallel (2+ GPUs: TP 1 against 2)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels first-cache-hit fused-lora-norm fused-qkv l2-read
 #                     matmul-bounds matmul-regions matmul-split-counts matmul-two-part
@@ -103,6 +105,9 @@ for step in "${steps[@]}"; do
     study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
     multi-lora-tests) gpu_tests gpu_tests_multi_lora.log 25 tests/gpu/test_multi_lora_gpu.py \
                         --durations=10 || status=1 ;;
+    tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \
+                             tests/gpu/test_tensor_parallel_ops_gpu.py \
+                             tests/gpu/test_tensor_parallel_gpu.py --durations=10 || status=1 ;;
 
     kernels) python3 -m benchmarks.suites.lora_kernels --out "$OUT/lora_kernels.json" \
                || status=1 ;;
@@ -152,6 +157,9 @@ for step in "${steps[@]}"; do
     structured-tests) server_wheels
                       gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
                         || status=1 ;;
+    tensor-parallel) python3 -m benchmarks.suites.tensor_parallel --tp 1,2 \
+                       --keep-rows-from benchmarks/results/tensor_parallel.json \
+                       --out "$OUT/tensor_parallel.json" || status=1 ;;
 
     attention-decode-ctas) experiment attention_decode_ctas attention_decode_ctas.json \
                              || status=1 ;;

@@ -116,7 +116,9 @@ class EngineArgs:
     max_seq_len_to_capture: int = _opt(8192, "vLLM's limit for CUDA graphs; detlora's decode "
                                        "graphs cover every length up to max_model_len")
     disable_log_stats: bool = _opt(True, "no periodic statistics in the log")
-    tensor_parallel_size: int = _opt(1, "GPUs the model is split over", group="parallel")
+    tensor_parallel_size: int = _opt(1, "GPUs (or CPU processes) the model is split over: 1, "
+                                     "2, 4 or 8, every size with the bits of one",
+                                     group="parallel")
     pipeline_parallel_size: int = _opt(1, "pipeline stages: not supported (1 only)",
                                        group="parallel")
     enable_lora: bool = _opt(False, "serve LoRA adapters", group="lora")
@@ -181,9 +183,9 @@ class EngineArgs:
                              "weight stays on the device (0 only)")
         _check_int("max_seq_len_to_capture", self.max_seq_len_to_capture, low=1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, low=1)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not "
-                             "supported yet: the engine runs on one device (1)")
+        if self.tensor_parallel_size not in (1, 2, 4, 8):
+            raise ValueError(f"tensor_parallel_size must be one of [1, 2, 4, 8] (the sizes "
+                             f"whose bits equal one device's), got {self.tensor_parallel_size}")
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, low=1)
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not "

@@ -245,8 +245,8 @@ def test_usage_errors_are_one_line(capsys, argv, message):
      "model directory /no/such/model does not exist"),
     (["generate", "--model", "m", "--prompt", "x", "--quantization", "awq"],
      "quantization='awq' is not supported"),
-    (["generate", "--model", "m", "--prompt", "x", "--tensor-parallel-size", "2"],
-     "tensor_parallel_size=2"),
+    (["generate", "--model", "m", "--prompt", "x", "--tensor-parallel-size", "3"],
+     "tensor_parallel_size must be one of"),
     (["demo", "--quick", "--device", "cuda"] if not torch.cuda.is_available() else
      ["demo", "--quick", "--gpu-memory-utilization", "2"], "")
 ])

@@ -97,7 +97,7 @@ def test_vllm_engine_argument_names(assets):
     ({"tensor_paralel_size": 1}, TypeError, "did you mean 'tensor_parallel_size'"),
     ({"flux_capacitor": 1}, TypeError, "unexpected keyword argument 'flux_capacitor'"),
     ({"quantization": "awq"}, ValueError, "quantization='awq' is not supported"),
-    ({"tensor_parallel_size": 2}, ValueError, "tensor_parallel_size=2 is not supported"),
+    ({"tensor_parallel_size": 3}, ValueError, r"tensor_parallel_size must be one of \[1, 2"),
     ({"pipeline_parallel_size": 2}, ValueError, "pipeline_parallel_size=2"),
     ({"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype='fp8' is not supported"),
     ({"cpu_offload_gb": 4}, ValueError, "cpu_offload_gb=4 is not supported"),

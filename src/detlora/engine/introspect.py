@@ -38,6 +38,7 @@ def observe(
     on_step: StepCallback | None = None,
 ) -> Iterator[None]:
     """Report shrink outputs and steps while the context is open (see the module docstring)."""
+    _one_process(engine)
     model = engine.model
     linears = model.lora_linears()
     if on_shrink is not None:
@@ -74,6 +75,13 @@ def observe(
         runner.__dict__.pop("execute", None)
 
 
+def _one_process(engine: LLMEngine) -> None:
+    """These views read (and run) the model of this process: all of it at one rank only."""
+    if engine.config.tensor_parallel_size > 1:
+        raise ValueError("introspection reads the model of one process: build the engine "
+                         "with tensor_parallel_size=1 (its bits are every size's)")
+
+
 def _layer_name(peft_names: Sequence[str]) -> str:
     """A fused layer's name from its slices': "...mlp.gate_proj", "...mlp.up_proj" ->
     "...mlp.gate_up_proj"; "...q_proj", "...k_proj", "...v_proj" -> "...qkv_proj"."""
@@ -88,6 +96,7 @@ def _layer_name(peft_names: Sequence[str]) -> str:
 def read_kv(engine: LLMEngine, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of K and V at ``slots`` (page * block_size + offset): [L, n, Hk, D] each, on the
     engine's device."""
+    _one_process(engine)
     kv = engine.runner.kv_cache
     total = kv.num_blocks * kv.block_size
     bad = [s for s in slots if not 0 <= s < total]
@@ -122,6 +131,7 @@ def continue_from_kv(
     The engine must be idle: the K/V go into its pages 0.., and the prefix cache is reset
     before and after so that no cached prefix points at them. Ties go to the lowest token
     id, as in the engine's greedy sampling."""
+    _one_process(engine)
     if engine.has_unfinished():
         raise ValueError("continue_from_kv needs an idle engine (it writes the KV pages)")
     spec, kv = engine.spec, engine.runner.kv_cache

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from detlora.config import Determinism, RequestOutputKind, SamplingParams
+from detlora.config import Determinism, LoRAReduction, RequestOutputKind, SamplingParams
+from detlora.distributed.sharding import check_size
 from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -28,6 +29,11 @@ from detlora.engine.prompts import token_id_list
 from detlora.engine.runner import kv_sizing
 from detlora.engine.runner.model_runner import ModelRunner
 from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
+from detlora.engine.runner.tp_driver import (
+    TensorParallelDriver,
+    launched_as_torchrun_worker,
+    serve_as_torchrun_worker,
+)
 from detlora.engine.sample.grammar import GrammarBackend, GrammarMatcher
 from detlora.engine.sample.logit_adjust import has_adjustments, row_adjust
 from detlora.engine.sample.sampler import (
@@ -142,6 +148,11 @@ class LLMEngine:
         self.detokenize = detokenize or (tokenizer.decode if tokenizer is not None else None)
         self.token_text = token_text
         self._grammars: GrammarBackend | None = None
+        self.tp_driver: TensorParallelDriver | None = None
+        if config.tensor_parallel_size > 1:
+            check_size(config.tensor_parallel_size)
+            if launched_as_torchrun_worker(config.tensor_parallel_size):
+                serve_as_torchrun_worker()  # ends the process when rank 0 shuts down
         self.device = resolve_device(config.device)
         self.model_dir = resolve_model(
             config.model, revision=config.revision, download_dir=config.download_dir,
@@ -169,10 +180,16 @@ class LLMEngine:
         self.backend = backend
         lora_config = (LoRAConfig(config.max_loras, config.max_lora_rank)
                        if config.enable_lora else None)
+        if config.tensor_parallel_size > 1:
+            # Workers load their shards while this process loads rank 0's; they stop with
+            # the engine (``shutdown``, or when it is collected), also if building it fails.
+            self._start_tensor_parallel(spec, lora_config)
+        tp = self.tp_driver
         started = time.perf_counter()
         self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
                                 backend=backend, lora_config=lora_config,
-                                max_positions=self.max_model_len)
+                                max_positions=self.max_model_len,
+                                tp=tp.group if tp is not None else None)
         self.spec = self.model.spec
         logger.info("loaded %s (%s, %s) in %.1f s", config.model,
                     self.spec.architecture, str(self.dtype).replace("torch.", ""),
@@ -182,6 +199,8 @@ class LLMEngine:
             from detlora.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, max_cpu_loras=config.max_cpu_loras)
+            if tp is not None:  # its slot writes reach every rank's shard
+                self.lora_manager.writer = tp.mirror_slot_writer(self.lora_manager.writer)
 
         started = time.perf_counter()
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
@@ -195,13 +214,20 @@ class LLMEngine:
                                kernels=backend.sampling_kernels,
                                logprobs_mode=config.logprobs_mode)
         started = time.perf_counter()
-        self.runner = ModelRunner(
-            self.model, greedy_head=self.sampler.greedy_head, device=self.device,
+        runner_args = dict(
             num_blocks=num_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             num_adapters=config.max_loras if config.enable_lora else None,
             use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
         )
+
+        def local_runner() -> ModelRunner:
+            return ModelRunner(self.model, greedy_head=self.sampler.greedy_head,
+                               device=self.device, **runner_args)
+
+        # Under tensor parallelism every rank builds its runner (and captures its graphs)
+        # at once; the workers' runners compute logits but sample nothing.
+        self.runner = local_runner() if tp is None else tp.runner(local_runner, runner_args)
         if self.runner.uses_cuda_graphs:
             logger.info("CUDA graphs captured (compiling the kernels first) in %.1f s",
                         time.perf_counter() - started)
@@ -218,12 +244,16 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos)
         # Below batch_invariant the bits depend on how steps are batched, so what shapes the
         # batches is part of the fingerprint; at batch_invariant none of it matters.
+        # The tensor-parallel size joins them: at batch_invariant every size gives the same
+        # bits, below it the ranks' all-reduce adds in another order.
         settings = {} if self.determinism is Determinism.BATCH_INVARIANT else {
             "block_size": config.block_size, "max_loras": config.max_loras,
             "cuda_graphs": self.runner.uses_cuda_graphs, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_chunked_prefill": config.enable_chunked_prefill, "num_kv_blocks": num_blocks,
             "enable_prefix_caching": config.resolved_prefix_caching,
+            **({"tensor_parallel_size": config.tensor_parallel_size}
+               if config.tensor_parallel_size > 1 else {}),
         }
         if config.logprobs_mode.value != "raw_logprobs":  # what logprobs report
             settings["logprobs_mode"] = config.logprobs_mode.value
@@ -251,25 +281,62 @@ class LLMEngine:
 
     # ---- setup ----
 
+    def _start_tensor_parallel(self, spec, lora_config) -> None:
+        """Start (or, under torchrun, meet) the workers of ranks 1..N-1; they load their
+        shards while this process loads rank 0's."""
+        from detlora.distributed.nccl_env import pin_nccl_for_run_to_run
+        from detlora.distributed.sharding import check_shardable
+        from detlora.engine.runner.tp_driver import TensorParallelDriver, next_group_name
+        from detlora.engine.runner.tp_worker import ShardPayload
+
+        c = self.config
+        check_shardable(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                        intermediate_size=spec.intermediate_size, size=c.tensor_parallel_size)
+        if (c.enable_lora and self.determinism is Determinism.BATCH_INVARIANT
+                and self.lora_reduction is not LoRAReduction.IN_GEMM):
+            raise ValueError("tensor parallelism at batch_invariant reduces the LoRA shrink of "
+                             "row-parallel layers inside the base GEMM: use "
+                             "lora_reduction='in_gemm' (the default)")
+        if self.device.type == "cuda":
+            if self.determinism is Determinism.RUN_TO_RUN:
+                pin_nccl_for_run_to_run()
+            index = self.device.index if self.device.index is not None else 0
+            if index + c.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={c.tensor_parallel_size} from "
+                                 f"cuda:{index} needs {index + c.tensor_parallel_size} GPUs, "
+                                 f"{torch.cuda.device_count()} are visible")
+        payload = ShardPayload(
+            model=str(self.model_dir), dtype=self.dtype, device=self.device.type,
+            device_index=self.device.index or 0, determinism=self.determinism,
+            lora_reduction=self.lora_reduction, max_lora_rank=c.max_lora_rank, lora=lora_config,
+            max_positions=self.max_model_len, num_threads=torch.get_num_threads(),
+            group_name=next_group_name())
+        self.tp_driver = TensorParallelDriver.start(c.tensor_parallel_size, payload)
+        self.device = self.tp_driver.group.device
+
     def _default_num_blocks(self) -> int:
         c = self.config
         if self.device.type == "cpu":
             return kv_sizing.cpu_num_blocks(self.model, block_size=c.block_size,
                                             max_num_seqs=c.max_num_seqs,
                                             max_model_len=self.max_model_len)
+        runner_args = dict(block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                           max_model_len=self.max_model_len,
+                           num_adapters=c.max_loras if c.enable_lora else None)
+        sizing = dict(block_size=c.block_size, max_num_batched_tokens=c.max_num_batched_tokens,
+                      max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
+                      gpu_memory_utilization=c.gpu_memory_utilization)
 
         def factory(n: int) -> ModelRunner:
             return ModelRunner(self.model, device=self.device, num_blocks=n,
-                               block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                               max_model_len=self.max_model_len,
-                               num_adapters=c.max_loras if c.enable_lora else None,
-                               use_cuda_graphs=False)
+                               use_cuda_graphs=False, **runner_args)
 
-        return kv_sizing.cuda_num_blocks(
-            factory, self.model, device=self.device, block_size=c.block_size,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-            max_model_len=self.max_model_len, gpu_memory_utilization=c.gpu_memory_utilization,
-        )
+        def local() -> int:
+            return kv_sizing.cuda_num_blocks(factory, self.model, device=self.device, **sizing)
+
+        if self.tp_driver is None:
+            return local()
+        return self.tp_driver.min_kv_blocks(local, {"runner": runner_args, "sizing": sizing})
 
     @property
     def num_kv_blocks(self) -> int:
@@ -470,8 +537,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Drop every request and let go of the model, KV cache, CUDA graphs and adapters, so
-        that their memory can return to the device; the engine cannot run afterwards.
-        Calling it again does nothing."""
+        that their memory can return to the device, and stop the tensor-parallel workers;
+        the engine cannot run afterwards. Calling it again does nothing."""
         if self.is_shut_down:
             return
         self.abort_all()
@@ -479,6 +546,8 @@ class LLMEngine:
         for name in _HELD:
             if hasattr(self, name):
                 delattr(self, name)
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
         import gc
 
         gc.collect()  # reference cycles among what was dropped hold device memory
