@@ -18,7 +18,8 @@ Rows (``{"model", "level", "tp", "device", "comparisons", "differing", "tpot_b1_
 "tok_per_s_b64", ...}``): ``differing`` counts the 64 requests whose token ids or logprobs
 differ from the same level at TP 1 (TP 1's row: a second run of its own); batch_invariant's
 target is 0 at every size. TPOT at batch 1 = (t(64 tokens) - t(1 token)) / 63, batch-64
-throughput = 64 * 64 / t(64 tokens), medians of ``--trials`` runs after a warm-up. The CPU run
+throughput = 64 * 64 / t(64 tokens), medians of ``--trials`` runs after a warm-up; each row
+also names the engine's fingerprint (the same at every size at batch_invariant). The CPU run
 (a tiny Llama, 16 requests of 16 tokens, ranks on gloo) has no speed fields (null).
 
 ``collectives``: per model hidden size H, M rows and ranks, microseconds per row-parallel
@@ -125,7 +126,8 @@ def engine_rows(model_dir: Path, name: str, shape: ModelShape, loras: list[Any],
                 "model": name, "level": level, "tp": tp, "device": device,
                 "comparisons": len(outs), "differing": count_differing(outs, reference),
                 "tpot_b1_ms": None, "tok_per_s_b64": None, "init_s": round(init_s, 1),
-                "cuda_graphs": llm.engine.runner.uses_cuda_graphs}
+                "cuda_graphs": llm.engine.runner.uses_cuda_graphs,
+                "fingerprint": llm.engine.fingerprint_of(None)}
             if device == "cuda":
                 t1 = _median_s(lambda llm=llm: work.run(llm, 1, one_token=True), trials)
                 tn = _median_s(lambda llm=llm: work.run(llm, 1), trials)
