@@ -351,6 +351,8 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert _metric(url, "detlora:generation_tokens_total") > 0
     text = httpx.get(url + "/metrics").text
     assert 'detlora:http_requests_total{route="/v1/completions",status="200"}' in text
+    # Adapter traffic: --lora-modules read the tox adapter into the host cache at start.
+    assert _metric(url, 'detlora:lora_events{counter="disk_loads"}') >= 1
 
 
 def test_load_outputs_equal_offline_alone(server, offline, assets):

@@ -68,6 +68,7 @@ class EngineStats:
     adapter_loads: int
     num_preemptions: int
     num_aborted: int  # unfinished requests dropped on the front end's word, so far
+    lora: dict[str, int | float]  # adapter traffic counters (LoRAStats), {} without LoRA
 
 
 # One request's news in a step: (request_id, new token ids, new logprobs or None, finish reason
@@ -114,7 +115,8 @@ class EngineCore:
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             num_free_blocks=e.block_manager.num_free, num_kv_blocks=e.num_kv_blocks,
             adapter_loads=e.lora_manager.loads if e.lora_manager is not None else 0,
-            num_preemptions=e.scheduler.num_preemptions, num_aborted=self._num_aborted)
+            num_preemptions=e.scheduler.num_preemptions, num_aborted=self._num_aborted,
+            lora={} if e.lora_stats is None else e.lora_stats.as_dict())
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -150,13 +152,14 @@ class EngineCore:
     # ---- calls ----
 
     def call_add_lora(self, lora: LoRARequest) -> str:
-        """Register, load and check an adapter ahead of traffic; its requests' fingerprint."""
+        """Register an adapter and read and check it into the host cache ahead of traffic
+        (no GPU slot is taken, so no running request's adapter is evicted); its requests'
+        fingerprint."""
         engine = self.engine
         if engine.lora_manager is None:
             raise ValueError("the engine was started without LoRA (enable_lora)")
-        engine.register_lora(lora)
         try:
-            engine.lora_manager.add(lora)
+            engine.add_lora(lora)
         except BaseException:
             engine.remove_lora(lora.id)
             raise

@@ -50,6 +50,10 @@ class ServerMetrics:
                              "nobody uses count as free)", registry=r)
         self.adapter_loads = Gauge("detlora:lora_adapter_loads", "Adapters read from disk so "
                                    "far", registry=r)
+        self.lora = Gauge("detlora:lora_events", "Adapter traffic so far, by counter: GPU slot "
+                          "and host-cache hits and misses, disk loads, swaps (prefetched "
+                          "ones too), evictions; *_seconds are summed times", ["counter"],
+                          registry=r)
         self.preemptions = Gauge("detlora:num_preemptions", "Sequences preempted so far",
                                  registry=r)
         self.aborted = Gauge("detlora:num_aborted_requests", "Unfinished sequences aborted so "
@@ -84,6 +88,8 @@ class ServerMetrics:
             self.adapter_loads.set(stats.adapter_loads)
             self.preemptions.set(stats.num_preemptions)
             self.aborted.set(stats.num_aborted)
+            for name, value in stats.lora.items():
+                self.lora.labels(counter=name).set(value)
         return generate_latest(self.registry)
 
 
