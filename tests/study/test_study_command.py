@@ -92,6 +92,7 @@ def test_a_users_model_adapter_and_prompts(tmp_path, llama_dir, llama_adapters):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["study", "/no/such/model"], "does not exist"),
+    (["study", "tiny", "--gpu-memory-utilization", "2"], "gpu_memory_utilization"),
     (["study", "tiny", "--sections", "replay,nope"], "unknown sections"),
     (["study", "tiny", "--reductions", "fastest"], "reduction must be one of"),
     (["study", "tiny", "--prompts", "/no/such.jsonl"], "does not exist"),

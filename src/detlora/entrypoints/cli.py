@@ -181,6 +181,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
     has_cuda = _prepare_runtime()
     import torch
 
+    from detlora.engine_args import EngineArgs
     from detlora.study.plan import SECTIONS, StudyPlan
     from detlora.study.run import render_study, run_study
 
@@ -201,6 +202,9 @@ def _cmd_study(args: argparse.Namespace) -> int:
     if device == "cpu" and args.quick:
         torch.set_num_threads(1)  # tiny matrices: thread fan-out costs more than it gains
     try:
+        engine = {f: getattr(args, f) for f in EngineArgs.names()
+                  if hasattr(args, f) and f not in _STUDY_SETS and f != "device"}
+        EngineArgs(model="study", **engine)  # a bad value fails here, before any model loads
         plan = (StudyPlan.quick() if args.quick else StudyPlan.full()).with_overrides(
             prompts=args.num_prompts, repetitions=args.repetitions, max_tokens=args.max_tokens,
             seed=args.seed)
@@ -209,7 +213,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
             prompts_file=args.prompts, device=device, tokenizer=args.tokenizer, plan=plan,
             sections=tuple(args.sections.split(",")) if args.sections else SECTIONS,
             reductions=tuple(args.reductions.split(",")) if args.reductions else None,
-            progress=False if args.no_progress else None, argv=args.argv)
+            progress=False if args.no_progress else None, argv=args.argv, engine=engine)
     except (ValueError, FileNotFoundError) as e:
         print(f"detlora study: {e}", file=sys.stderr)
         return 2
@@ -301,8 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("study", help="the paper's reproducibility study on a model and "
                                       "adapter: study.json, study.md and figures")
     st.add_argument("model", nargs="*", metavar="MODEL",
-                    help="model directories; 'smollm2' (the default): the embedded "
-                         "SmolLM2-135M-Instruct; 'tiny': the random tiny demo model")
+                    help="model directories, Hub ids or .gguf files; 'smollm2' (the default): "
+                         "the embedded SmolLM2-135M-Instruct; 'tiny': the random tiny demo "
+                         "model")
     st.add_argument("--adapter", action="append", metavar="DIR",
                     help="a PEFT adapter directory (repeatable; prompts take them in turn); "
                          "default: a seeded rank-16 adapter on all seven projections")
@@ -322,11 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--num-prompts", type=_int_at_least(1), default=None)
     st.add_argument("--repetitions", type=_int_at_least(2), default=None)
     st.add_argument("--max-tokens", type=_int_at_least(1), default=None)
-    st.add_argument("--seed", type=_int_at_least(0), default=None)
-    st.add_argument("--device", default="auto")
+    st.add_argument("--seed", type=_int_at_least(0), default=None,
+                    help="the study's seed: its tasks, comments, default adapter and engines")
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
     st.add_argument("--render", metavar="DIR",
                     help="run nothing: write study.md and the figures again from DIR/study.json")
+    EngineArgs.add_cli_args(st, exclude=_STUDY_SETS)
     st.set_defaults(func=_cmd_study)
     return parser
 
@@ -336,6 +342,14 @@ _DEMO_SETS = ("model", "determinism", "enable_lora", "max_loras", "max_lora_rank
               "num_kv_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs",
               "enable_prefix_caching", "enable_chunked_prefill", "tokenizer",
               "skip_tokenizer_init", "revision", "tokenizer_revision", "download_dir")
+
+
+# What the study sets in every engine it builds (the rest of EngineArgs applies to them all).
+_STUDY_SETS = ("model", "tokenizer", "skip_tokenizer_init", "revision", "tokenizer_revision",
+               "download_dir", "seed", "determinism", "lora_reduction", "logprobs_mode",
+               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "enable_chunked_prefill", "enable_prefix_caching", "block_size", "num_kv_blocks",
+               "enforce_eager", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> NoReturn:

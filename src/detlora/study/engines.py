@@ -17,7 +17,9 @@ bits a graph replay gives, and below it both the variant and eager execution may
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,7 +49,9 @@ class StudyModel:
 
 
 def build_llm(model: StudyModel, setup: EngineSetup, plan: StudyPlan, *, variant: str = "main",
-              device: str = "auto") -> LLM:
+              device: str = "auto", engine: Mapping[str, Any] | None = None) -> LLM:
+    """The engine of ``setup`` in ``variant``; ``engine``: further ``LLM`` arguments (dtype,
+    gpu_memory_utilization, ...), none of those the study sets itself."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     block = 16
@@ -63,13 +67,16 @@ def build_llm(model: StudyModel, setup: EngineSetup, plan: StudyPlan, *, variant
     }
     if model.tokenizer is not None:
         kw["tokenizer"] = model.tokenizer
+    clash = sorted(set(engine or {}) & {*kw, "tokenizer", "model"})
+    if clash:
+        raise ValueError(f"the study sets {clash} itself in every engine it builds")
     if variant == "chunked":
         kw["max_num_batched_tokens"] = plan.chunk_tokens
     elif variant == "preempt":  # room for a quarter of the largest batch, two at least
         kw["num_kv_blocks"] = max(2, plan.max_batch // 4) * per_seq + 1
     elif variant == "cache":
         kw["enable_prefix_caching"] = True
-    return LLM(model.path, **kw)
+    return LLM(model.path, **{**(engine or {}), **kw})
 
 
 def release() -> None:

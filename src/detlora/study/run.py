@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,25 +86,22 @@ EMBEDDED = "smollm2"  # the embedded real model, SmolLM2-135M-Instruct (the defa
 def resolve_model(name: str | None, work: Path, device: torch.device | None = None
                   ) -> tuple[str, str, str | None]:
     """(model directory, label, tokenizer directory or None) for a MODEL argument: None or
-    'smollm2' (the embedded model), 'tiny', or a model directory."""
+    'smollm2' (the embedded model), 'tiny', a model directory, a Hub id or a .gguf file."""
+    from detlora.models.embedded import NAME, smollm2_model_dir
+    from detlora.models.sources import resolve_model as local_dir
+
     name = name or EMBEDDED
+    dtype = torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if name == TINY:
         from detlora.entrypoints.demo import build_demo_assets
 
         model_dir, _ = build_demo_assets(work / "tiny")
         return str(model_dir), "tiny-demo (random weights)", None
     if name == EMBEDDED:
-        try:
-            from detlora.models.embedded import NAME, smollm2_model_dir
-        except ImportError:
-            raise ValueError("the embedded model (smollm2) is not part of this build: pass a "
-                             "model directory (or 'tiny')") from None
-        on_gpu = device is not None and device.type == "cuda"
-        return str(smollm2_model_dir(torch.bfloat16 if on_gpu else torch.float32)), NAME, None
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {name} does not exist")
-    return str(path), path.name or str(path), None
+        return str(smollm2_model_dir(dtype)), NAME, None
+    path = local_dir(name, dtype=dtype)
+    label = Path(name).name if Path(name).expanduser().exists() else name
+    return str(path), label or str(path), None
 
 
 def prepare_model(name: str | None, adapters: Sequence[str], work: Path, *,
@@ -219,10 +216,11 @@ def run_study(
     quick: bool = False, prompts_file: str | None = None, sections: Sequence[str] = SECTIONS,
     reductions: Sequence[str] | None = None, device: str = "auto", tokenizer: str | None = None,
     plan: StudyPlan | None = None, progress: bool | None = None, argv: Sequence[str] | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, engine: Mapping[str, Any] | None = None,
 ) -> StudyResult:
     """Run the study on every model; write study.json, study.md and figures into ``out``.
-    ``progress=None`` shows a progress bar when stderr is a terminal."""
+    ``progress=None`` shows a progress bar when stderr is a terminal; ``engine``: further
+    ``LLM`` arguments for every engine (dtype, gpu_memory_utilization, ...)."""
     from detlora.study.report import write_report
 
     unknown = [s for s in sections if s not in SECTIONS]
@@ -249,8 +247,9 @@ def run_study(
             for name in models:
                 model = prepare_model(name, adapters, Path(tmp), tokenizer=tokenizer,
                                       seed=plan.seed, device=dev)
-                _study_model(result, model, plan, sections, reductions, dev, user_tasks,
-                             bar, say)
+                _ModelStudy(result, model, plan, sections, dev, user_tasks, bar, say,
+                            dict(engine or {})).run(
+                    study_setups(tuple(reductions) if reductions else None))
                 _write_json(out, result)
     finally:
         bar.close()
@@ -306,22 +305,15 @@ def _section(result: StudyResult, name: str, model: str, say: Callable[[str], No
     timing[name] = round(timing.get(name, 0.0) + time.perf_counter() - t0, 2)
 
 
-def _study_model(result: StudyResult, model: StudyModel, plan: StudyPlan,
-                 sections: Sequence[str], reductions: Sequence[str] | None,
-                 dev: torch.device, user_tasks: list[Task] | None, bar: _Progress,
-                 say: Callable[[str], None]) -> None:
-    _ModelStudy(result, model, plan, sections, dev, user_tasks, bar, say).run(
-        study_setups(tuple(reductions) if reductions else None))
-
-
 class _ModelStudy:
     """The study of one model: its prompts, adapters and the sections' shared state."""
 
     def __init__(self, result: StudyResult, model: StudyModel, plan: StudyPlan,
                  sections: Sequence[str], dev: torch.device, user_tasks: list[Task] | None,
-                 bar: _Progress, say: Callable[[str], None]) -> None:
+                 bar: _Progress, say: Callable[[str], None], engine: dict[str, Any]) -> None:
         self.result, self.plan, self.sections, self.bar, self.say = (
             result, plan, sections, bar, say)
+        self.engine = engine
         self.meta = result.meta
         self.label = model.label
         self.spec = ModelSpec.from_dir(model.path)
@@ -362,6 +354,10 @@ class _ModelStudy:
         self.meta["adapter"][self.label] = model.adapter_label
         self.meta["fingerprint"][self.label] = {}
         self.meta["models"].append(info)
+
+    def build(self, setup: EngineSetup, variant: str = "main") -> Any:
+        return build_llm(self.model, setup, self.plan, variant=variant, device=self.device,
+                         engine=self.engine)
 
     def section(self, name: str, fn: Callable[[], None]) -> None:
         _section(self.result, name, self.label, self.say, fn)
@@ -408,7 +404,7 @@ class _ModelStudy:
                      + ("cross_batch" in sections and is_level_default(setup))
                      * (len(plan.cross_batches) + 2))
         self.bar.describe(f"{self.label}: {setup.name}")
-        llm = build_llm(self.model, setup, plan, device=self.device)
+        llm = self.build(setup)
         self.bar.tick()
         try:
             if "repeat" in sections:
@@ -483,7 +479,7 @@ class _ModelStudy:
         self.bar.describe(f"{self.label}: {level} {variant}")
         setup = EngineSetup(level, LEVEL_DEFAULTS[level])
         n = self.plan.cross_prompts
-        llm = build_llm(self.model, setup, self.plan, variant=variant, device=self.device)
+        llm = self.build(setup, variant)
         try:
             self.result.cross_batch.extend(cross_batch.variant_rows(
                 llm, variant, self.label, level, self.prompts[:n], self.loras[:n],
@@ -495,7 +491,7 @@ class _ModelStudy:
 
     def trace(self) -> None:
         n = self.plan.prompts
-        _trace(self.result, self.model, self.plan, self.device, self.prompts[:n],
+        _trace(self.result, self.model, self.plan, self.build, self.prompts[:n],
                self.loras[:n], self.tasks[:n], self.atomic_runs, self.tok, self.bar)
 
 
@@ -506,14 +502,15 @@ def _fingerprint(llm, prompt: list[int], lora) -> str:
     return out[0].fingerprint
 
 
-def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan, device: str,
+def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan,
+           build: Callable[[EngineSetup, str], Any],
            prompts: list[list[int]], loras: list, tasks: list[Task], atomic_runs: list,
            tok: Tokenizer, bar: _Progress) -> None:
     label = model.label
     changed = repeat.changed_prompts(atomic_runs) if atomic_runs else []
     params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0)
     atomic = EngineSetup("fast", "atomic")
-    llm = build_llm(model, atomic, plan, variant="eager", device=device)
+    llm = build(atomic, "eager")
     entry: dict[str, Any] = {"model": label, "level": atomic.level,
                              "reduction": atomic.reduction, "prompts": len(prompts),
                              "prompts_changed_in_repeat": len(changed)}
@@ -536,7 +533,7 @@ def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan, device: str,
         del llm
         release()
     det = EngineSetup("run_to_run", "unsplit")
-    det_llm = build_llm(model, det, plan, variant="eager", device=device)
+    det_llm = build(det, "eager")
     try:
         entry["controlled"] = {"level": det.level, "reduction": det.reduction,
                                **trace.controlled_experiment(
