@@ -59,3 +59,26 @@ def test_files_that_are_not_models(tmp_path):
     text.write_text("{}")
     with pytest.raises(ValueError, match="is a file, not a model directory"):
         resolve_model(str(text))
+
+
+def test_the_server_resolves_models_as_llm_does(tmp_path, monkeypatch):
+    """AsyncLLM (the server) and LLM start from resolve_model_files: a Hub id becomes its
+    cached snapshot directory, with the snapshot's tokenizer."""
+    import huggingface_hub.constants
+
+    from detlora.engine.model_files import resolve_model_files
+    from detlora.engine_args import EngineArgs
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    build_demo_assets(repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    files = resolve_model_files(EngineArgs(model="someone/tiny", device="cpu",
+                                           download_dir=str(tmp_path / "hub")))
+    snapshot = str(repo / "snapshots" / COMMIT)
+    assert files.args.model == snapshot and files.args.download_dir is None
+    assert files.tokenizer_dir == snapshot
+    skipped = resolve_model_files(EngineArgs(model=snapshot, device="cpu",
+                                             skip_tokenizer_init=True))
+    assert skipped.tokenizer_dir is None

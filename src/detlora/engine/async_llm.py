@@ -42,6 +42,7 @@ from typing import Any
 from detlora.config import RequestOutputKind, SamplingParams
 from detlora.engine.core_proc import AddRequest, Delta, EngineInfo, EngineStats
 from detlora.engine.detokenizer import IncrementalDetokenizer
+from detlora.engine.model_files import resolve_model_files
 from detlora.engine.outputs import CompletionOutput, RequestOutput
 from detlora.engine.sample.stop_strings import match_stop_string
 from detlora.engine.tokenizer import Tokenizer, has_tokenizer
@@ -218,8 +219,14 @@ class AsyncLLM:
                     torch_threads: int | None = None) -> AsyncLLM:
         """Spawn the engine process and wait until its engine is built (ValueError with the
         engine's message when it cannot be)."""
-        tok_dir = tokenizer_dir or config.model
-        tokenizer = Tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
+        # A Hub id or a .gguf file: a local model directory first, as LLM() does.
+        files = resolve_model_files(config)
+        config = files.args
+        tok_dir = tokenizer_dir or files.tokenizer_dir
+        tokenizer = None
+        if tok_dir is not None and has_tokenizer(tok_dir):
+            tokenizer = Tokenizer(tok_dir, mode=config.tokenizer_mode,
+                                  trust_remote_code=config.trust_remote_code)
         # A fresh interpreter running core_proc (not multiprocessing's spawn, which would
         # import the caller's __main__ again), with two pipes handed over by descriptor.
         child_in, in_send_fd = os.pipe()

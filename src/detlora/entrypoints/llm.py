@@ -20,14 +20,13 @@ from typing import Any
 
 from detlora.config import RequestOutputKind, SamplingParams
 from detlora.decisions import answer, parse_questions, plan_reads
-from detlora.engine.llm_engine import LLMEngine, conversion_dtype, resolve_device
+from detlora.engine.llm_engine import LLMEngine
+from detlora.engine.model_files import resolve_model_files
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
-from detlora.engine.tokenizer import Tokenizer, has_tokenizer
+from detlora.engine.tokenizer import Tokenizer
 from detlora.engine_args import EngineArgs
 from detlora.lora.request import LoRARequest
-from detlora.models.sources import hub_model_dir, is_hub_id, resolve_model
-from detlora.models.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,27 +46,13 @@ class LLM:
         self.engine_args = args
         # A Hub id or a .gguf file becomes a local model directory (downloaded or converted
         # once); the engine then reads that directory.
-        model_dir = resolve_model(args.model, revision=args.revision,
-                                  download_dir=args.download_dir,
-                                  dtype=conversion_dtype(args.dtype, resolve_device(args.device)))
-        local = dataclasses.replace(args, model=str(model_dir), revision=None,
-                                    download_dir=None)
-        ModelSpec.from_dir(model_dir)  # config.json first: tokenizer errors misname it
-        tok_dir: str | Path = model_dir
-        if args.tokenizer is not None:
-            tok_dir = args.tokenizer
-            if not Path(tok_dir).is_dir() and is_hub_id(tok_dir):
-                tok_dir = hub_model_dir(tok_dir, revision=args.tokenizer_revision,
-                                        download_dir=args.download_dir)
-        elif args.tokenizer_revision is not None:
-            raise ValueError("tokenizer_revision applies to a Hub tokenizer id given as "
-                             "tokenizer=...")
+        files = resolve_model_files(args)
+        local = files.args
         # detlora's own wrapper (encode, chat, decode); get_tokenizer() is Hugging Face's.
         self.tokenizer: Tokenizer | None = None
-        if not args.skip_tokenizer_init and (args.tokenizer is not None
-                                             or has_tokenizer(tok_dir)):
-            self.tokenizer = Tokenizer(tok_dir, mode=args.tokenizer_mode,
-                                        trust_remote_code=args.trust_remote_code)
+        if files.tokenizer_dir is not None:
+            self.tokenizer = Tokenizer(files.tokenizer_dir, mode=args.tokenizer_mode,
+                                       trust_remote_code=args.trust_remote_code)
         tok = self.tokenizer
         self.engine = LLMEngine(
             local,
