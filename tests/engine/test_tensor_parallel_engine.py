@@ -19,6 +19,10 @@ from detlora.distributed.workers import WorkerDied
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
+# One xdist worker runs them all (pyproject's addopts: --dist loadgroup), so each engine of
+# the module-scoped fixtures starts once.
+pytestmark = pytest.mark.xdist_group("tensor_parallel_engines")
+
 N = 6
 BLOCKS = 9  # pages of 16 tokens: fewer than the batch needs, so sequences get preempted
 
@@ -55,11 +59,25 @@ def reference(llama_dir, requests):
     return outs, llm.generate(LONG, LONG_PARAMS, use_tqdm=False)[0]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
-def parallel(request, llama_dir):
-    llm = _llm(llama_dir, request.param)
+@pytest.fixture(scope="module")
+def tp2(llama_dir):
+    llm = _llm(llama_dir, 2)
     yield llm
     llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp4(llama_dir):
+    llm = _llm(llama_dir, 4)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.fixture(params=["tp2", "tp4"])
+def parallel(request):
+    """The TP 2 and TP 4 engines, each started once for the module (both alive at once: a
+    test order that alternates between them starts no engine twice)."""
+    return request.getfixturevalue(request.param)
 
 
 def _assert_same(outs, ref):
