@@ -183,3 +183,25 @@ def test_torchrun_launch_gives_the_same_bits(llama_dir, llama_adapters):
                     [{str(k): [v.logprob, v.rank] for k, v in d.items()}
                         for d in o.outputs[0].logprobs]]
                    for o in want]
+
+
+def test_serve_with_tensor_parallel_size_two(tmp_path):
+    """``detlora serve --tensor-parallel-size 2``: the engine's process starts its worker, and
+    a completion (through the openai client) has the one-process engine's bits."""
+    from openai import OpenAI
+    from tests.helpers.server import running_server
+    from tests.helpers.tiny_chat_model import build_tiny_chat_model
+
+    model, _ = build_tiny_chat_model(tmp_path)
+    sp = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=1)
+    ref = LLM(str(model), device="cpu").generate("yes no maybe", sp, use_tqdm=False)[0]
+    with running_server(model, ["--tensor-parallel-size", "2", "--max-model-len", "256"]) as (
+            url, _):
+        out = OpenAI(base_url=url + "/v1", api_key="unused").completions.create(
+            model=str(model), prompt="yes no maybe", max_tokens=8, temperature=0.8, seed=3,
+            logprobs=1, extra_body={"return_token_ids": True})
+    choice, want = out.choices[0], ref.outputs[0]
+    assert choice.model_extra["token_ids"] == want.token_ids
+    assert choice.logprobs.token_logprobs == [d[t].logprob for d, t in zip(
+        want.logprobs, want.token_ids, strict=True)]
+    assert out.system_fingerprint == ref.fingerprint
