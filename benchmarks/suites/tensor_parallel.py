@@ -3,7 +3,8 @@ exact reductions cost in communication.
 
     python -m benchmarks.suites.tensor_parallel --out benchmarks/results/tensor_parallel.json
         [--models 3b,8b] [--tp 1,2] [--levels batch_invariant,run_to_run] [--layers-8b 8]
-        [--keep-rows-from FILE]          (rows of the other device kind are kept)
+        [--keep-rows-from FILE]   (rows of models or devices this run does not measure stay)
+        [--no-micro]              (no collectives / grouped-tree microbenchmarks)
     python -m benchmarks.suites.tensor_parallel --cpu --out ...   (tiny model, gloo)
 
 Models: the Llama-3.2-3B shape (28 layers) and the Llama-3.1-8B shape (hidden 4096, 32 q / 8
@@ -276,9 +277,12 @@ def main(argv: list[str] | None = None) -> None:
                   "output_len": CPU_OUTPUT_LEN}},
         "rows": [], "collectives": [], "grouped_tree": []}
     if args.keep_rows_from and Path(args.keep_rows_from).is_file():
+        # Rows this run does not measure again (another device, another model) stay, and so
+        # do the microbenchmarks when this run skips them.
         old = json.loads(Path(args.keep_rows_from).read_text())
-        result["rows"] = [r for r in old.get("rows", []) if r.get("device") != device]
-        if device == "cpu":
+        result["rows"] = [r for r in old.get("rows", [])
+                          if r.get("device") != device or r.get("model") not in shapes]
+        if device == "cpu" or args.no_micro:
             result["collectives"] = old.get("collectives", [])
             result["grouped_tree"] = old.get("grouped_tree", [])
     kept = list(result["rows"])
@@ -300,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"collectives at {size} ranks: {result['collectives'][-1]}")
         result["grouped_tree"] = grouped_tree(shapes, [1, 64, 2048])
         log(f"grouped tree: {[(r['layer'], r['m'], r['ratio']) for r in result['grouped_tree']]}")
+        torch.cuda.empty_cache()  # the engines size their KV caches from what is free
         save()
     with tempfile.TemporaryDirectory(prefix="detlora-bench-tp-") as tmp:
         for name, shape in shapes.items():
