@@ -13,8 +13,10 @@ mistakes, not a determined attacker: run studies of untrusted models in a contai
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,7 +109,9 @@ def run_python_checks(code: str, tests: tuple[str, ...] | list[str], *,
         prefix = network_namespace_prefix()
         use_limits = os.name == "posix"
         cmd = [*prefix, sys.executable, "-I", "-S", str(script)]
-        cpu = max(1, int(timeout_s))
+        # The CPU limit backs up the wall clock (a child that escapes the timeout); it lies
+        # above it, and a kill by either one counts as timing out.
+        cpu = math.ceil(timeout_s) + 1
         try:
             proc = subprocess.run(
                 cmd, cwd=tmp, env={}, capture_output=True, text=True, timeout=timeout_s,
@@ -118,5 +122,7 @@ def run_python_checks(code: str, tests: tuple[str, ...] | list[str], *,
             return SandboxResult(False, True, f"timed out after {timeout_s:g} s")
         except OSError as e:
             return SandboxResult(False, False, f"could not run: {e}")
+    if use_limits and proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return SandboxResult(False, True, f"exceeded the CPU time limit of {cpu} s")
     err = proc.stderr.strip().splitlines()
     return SandboxResult(proc.returncode == 0, False, err[-1] if err else "")
