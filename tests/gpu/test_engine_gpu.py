@@ -334,11 +334,12 @@ def test_prefix_cache_keeps_the_bits(assets):
 
 
 def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatch):
-    """An engine dropped by its user stays alive in reference cycles (its runner's graphs hold
-    its bound forward) until Python's cyclic GC runs, which may be in the middle of the next
-    engine's capture (forced here: a collection after every captured forward). Freeing its
-    CUDA graphs there must not invalidate the capture (without gc_paused it did, on the H200;
-    it made the small engine of test_prefix_cache_keeps_the_bits run eagerly in 2 of 3 runs)."""
+    """An engine dropped by its user used to stay alive in reference cycles (its runner's
+    graphs held its bound forward) until Python's cyclic GC ran, which could be in the middle
+    of the next engine's capture; freeing its CUDA graphs there invalidated the capture
+    (without gc_paused, on the H200, the small engine of test_prefix_cache_keeps_the_bits ran
+    eagerly in 2 of 3 runs). Now the dropped engine's graphs are freed at once, and a capture
+    with a collection after every captured forward still succeeds."""
     import gc
     import weakref
 
@@ -362,7 +363,7 @@ def test_capture_survives_a_dead_engine_collected_mid_capture(assets, monkeypatc
         assert old.engine.runner.uses_cuda_graphs, old.engine.runner.graph_error
         old_graphs = weakref.ref(old.engine.runner.graphs)
         del old
-        assert old_graphs() is not None  # in a cycle: only the GC frees it
+        assert old_graphs() is None  # no cycle: freed without the GC
         monkeypatch.setattr(cg, "capture_bucket", capture_with_gc)
         monkeypatch.setattr(sg, "capture_bucket", capture_with_gc)
         llm = _llm(model_dir, determinism="batch_invariant", max_num_batched_tokens=64)

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,6 +139,25 @@ class LLMEngine:
         """``tokenizer``: the model's, for structured outputs (``detokenize`` defaults to its
         ``decode``); ``token_text``: one token alone, as text (the ``decoded_token`` of
         logprobs). Without them outputs carry no text."""
+        self.is_shut_down = False
+        try:
+            self._build(config, detokenize, token_text, extra_eos_token_ids, tokenizer)
+        except BaseException as e:
+            # A failed construction holds nothing: what it loaded is released now, and its
+            # traceback (which a notebook keeps as sys.last_traceback) keeps no frame's
+            # locals, such as the model being sized.
+            self.shutdown()
+            traceback.clear_frames(e.__traceback__)
+            raise
+
+    def _build(
+        self,
+        config: EngineArgs,
+        detokenize: Callable[[list[int]], str] | None,
+        token_text: Callable[[int], str] | None,
+        extra_eos_token_ids: Sequence[int],
+        tokenizer: Tokenizer | None,
+    ) -> None:
         from detlora.layers.lora_slots import LoRAConfig
         from detlora.models.loader import load_model
         from detlora.models.sources import resolve_model
@@ -175,6 +195,9 @@ class LLMEngine:
                 f"({self.max_model_len}) so that every prompt fits in one step"
             )
 
+        # Memory this process held before the engine: named if the KV cache finds no room.
+        self._allocated_before = (torch.cuda.memory_allocated(self.device)
+                                  if self.device.type == "cuda" else 0)
         backend = make_backend(self.device, self.determinism, self.lora_reduction,
                                dtype=self.dtype, max_lora_rank=config.max_lora_rank)
         self.backend = backend
@@ -268,7 +291,6 @@ class LLMEngine:
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
-        self.is_shut_down = False
         kv_gib = num_blocks * config.block_size * self.spec.kv_cache_bytes_per_token(
             self.dtype) / 2**30
         logger.info(
@@ -332,7 +354,8 @@ class LLMEngine:
                                use_cuda_graphs=False, **runner_args)
 
         def local() -> int:
-            return kv_sizing.cuda_num_blocks(factory, self.model, device=self.device, **sizing)
+            return kv_sizing.cuda_num_blocks(factory, self.model, device=self.device,
+                                             allocated_before=self._allocated_before, **sizing)
 
         if self.tp_driver is None:
             return local()
@@ -536,22 +559,33 @@ class LLMEngine:
         return self.lora_manager
 
     def shutdown(self) -> None:
-        """Drop every request and let go of the model, KV cache, CUDA graphs and adapters, so
-        that their memory can return to the device, and stop the tensor-parallel workers;
-        the engine cannot run afterwards. Calling it again does nothing."""
+        """Drop every request and let go of the model, KV cache, CUDA graphs (reset, with
+        their memory pool), adapters and pinned buffers, so that their memory returns to the
+        device now, and stop the tensor-parallel workers; the engine cannot run afterwards.
+        Calling it again does nothing. Dropping the last reference to an engine frees the
+        same: no reference cycle keeps it alive."""
         if self.is_shut_down:
             return
-        self.abort_all()
         self.is_shut_down = True
+        self._inflight = None
+        if hasattr(self, "scheduler"):
+            self.scheduler.abort_all()
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()  # graphs reset, KV cache unbound from the model
+        if getattr(self, "lora_manager", None) is not None:
+            self.lora_manager.shutdown()
         for name in _HELD:
             if hasattr(self, name):
                 delattr(self, name)
-        if self.tp_driver is not None:
+        self._grammars = None
+        if getattr(self, "tp_driver", None) is not None:
             self.tp_driver.shutdown()
         import gc
 
-        gc.collect()  # reference cycles among what was dropped hold device memory
-        if self.device.type == "cuda":
+        gc.collect()  # anything a user's own cycles held of it
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
 
     def _check_running(self) -> None:

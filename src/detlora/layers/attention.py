@@ -91,6 +91,10 @@ class Attention(nn.Module):
                              f"{tuple(v_cache.shape)} must have the same shape")
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    def release_kv_cache(self) -> None:
+        """Drop the pages (the memory is freed once nothing else holds them)."""
+        self.k_cache = self.v_cache = None
+
     def forward(
         self,
         x: torch.Tensor,

@@ -189,6 +189,11 @@ class DecoderForCausalLM(nn.Module):
         for layer, (k, v) in zip(self.layers, pairs, strict=True):
             layer.self_attn.bind_kv_cache(k, v)
 
+    def release_kv_cache(self) -> None:
+        """Unbind every attention layer's pages (an engine shutting down frees them)."""
+        for layer in self.layers:
+            layer.self_attn.release_kv_cache()
+
     # ---- checkpoint and adapter mapping ----
 
     def hf_weights(self) -> dict[str, WeightSlot]:

@@ -107,6 +107,7 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
     runner = object.__new__(mr.ModelRunner)
     runner.device, runner.max_model_len, runner.block_size = torch.device("cpu"), 64, 16
     runner.num_adapters, runner.graph_error = None, None
+    runner._decode_forward = lambda batch: ()
     runner._capture(max_num_seqs=4, max_num_batched_tokens=64)
     assert seen == [False, False] and gc.isenabled()
     assert runner.graphs is not None and runner.step_graphs is not None

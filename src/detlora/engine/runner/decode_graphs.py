@@ -135,6 +135,15 @@ class DecodeGraphs:
         for the next step's fed rows."""
         self.feed[: tokens.numel()].copy_(tokens.reshape(-1), non_blocking=True)
 
+    def close(self) -> None:
+        """Free every captured graph and its outputs now (their pool's memory goes back to
+        the caching allocator once no graph of the pool is left)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
     def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """Replay the decode graph for ``step`` (every sequence one token); the forward's
         outputs (row-major: one row per sequence), cut to the step's rows."""

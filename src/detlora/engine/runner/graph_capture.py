@@ -46,10 +46,11 @@ def capture_bucket(
 def gc_paused() -> Iterator[None]:
     """Collect dead reference cycles now, then keep Python's cyclic GC off until the block
     ends (restored on errors). torch's ``graph`` no longer collects before capturing (torch
-    2.11), and a dropped engine lives in cycles (its runner's graphs hold its bound forward)
-    until a collection: one that started mid-capture destroyed that engine's CUDA graphs
-    there, which silently invalidates the capture (see docs/decisions.md, "Capture with the
-    GC paused")."""
+    2.11), and anything dropped in a reference cycle lives until a collection: one that
+    started mid-capture and destroyed CUDA graphs there (a dropped engine's, when its
+    runner's graphs still held its bound forward) silently invalidated the capture (see
+    docs/decisions.md, "Capture with the GC paused"). Engines hold no such cycle now; this
+    stays as the guard for whatever else a user drops."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()

@@ -2,7 +2,8 @@
 
 CUDA: run the largest step the scheduler can build (``max_num_batched_tokens`` prompt tokens,
 every sequence sampling) on a throw-away cache, note the peak memory, and give the pages
-``gpu_memory_utilization`` of the device minus that peak. CPU: room for ``max_num_seqs`` full
+``gpu_memory_utilization`` of the device minus that peak. When nothing is left, the error
+names who holds the memory (``no_room_message``). CPU: room for ``max_num_seqs`` full
 sequences, capped at ``CPU_KV_BYTES``.
 """
 
@@ -58,8 +59,11 @@ def profile_step(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_le
 
 def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.device,
                     block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                    max_model_len: int, gpu_memory_utilization: float) -> int:
-    """``runner_factory(num_blocks)`` builds an eager runner on a throw-away cache."""
+                    max_model_len: int, gpu_memory_utilization: float,
+                    allocated_before: int = 0) -> int:
+    """``runner_factory(num_blocks)`` builds an eager runner on a throw-away cache;
+    ``allocated_before``: bytes this process had allocated before the engine loaded its
+    model (named when they leave no room)."""
     step = profile_step(max_num_batched_tokens=max_num_batched_tokens,
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         block_size=block_size)
@@ -80,10 +84,36 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
     budget = int(total * gpu_memory_utilization) - peak - max(other, 0)
     num = budget // block_bytes(model, block_size)
     if num < 1:
-        raise ValueError(
-            f"no GPU memory left for the KV cache: the model and a step of "
-            f"{max_num_batched_tokens} tokens peak at {peak / 2**30:.2f} GiB of "
-            f"{total / 2**30:.2f} GiB (gpu_memory_utilization={gpu_memory_utilization}); "
-            "lower max_num_batched_tokens or raise gpu_memory_utilization"
-        )
+        raise ValueError(no_room_message(
+            total=total, free=free, gpu_memory_utilization=gpu_memory_utilization,
+            allocated_before=allocated_before, other=max(other, 0),
+            engine_peak=peak - allocated_before,
+            max_num_batched_tokens=max_num_batched_tokens))
     return int(num)
+
+
+def no_room_message(*, total: int, free: int, gpu_memory_utilization: float,
+                    allocated_before: int, other: int, engine_peak: int,
+                    max_num_batched_tokens: int) -> str:
+    """Why the KV cache found no room, the largest holder of the memory first: this
+    process's earlier allocations (an engine not shut down), other processes, or this
+    engine's model and profiling step. Byte counts in, one sentence out."""
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    holders = [
+        (allocated_before, f"{gib(allocated_before)} were already allocated by this process "
+         "before this engine was built (an earlier engine or tensors still alive: call "
+         "shutdown() on an LLM you are done with, or drop every reference to it)"),
+        (other, f"{gib(other)} are used outside PyTorch's allocator (other processes on this "
+         "GPU, the CUDA context)"),
+        (engine_peak, f"this engine's model and a profiling step of {max_num_batched_tokens} "
+         f"tokens peak at {gib(engine_peak)} (lower max_num_batched_tokens, or raise "
+         "gpu_memory_utilization)"),
+    ]
+    holders.sort(key=lambda h: -h[0])
+    return (f"no GPU memory left for the KV cache: gpu_memory_utilization="
+            f"{gpu_memory_utilization} allows {gib(int(total * gpu_memory_utilization))} of "
+            f"{gib(total)}, and {gib(free)} are free now; "
+            + "; ".join(text for _, text in holders))

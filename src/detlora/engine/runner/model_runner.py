@@ -7,6 +7,10 @@ where every sequence decodes one token replays the decode graph of its padded ba
 counts (step_graphs.py) when one holds it, else runs eagerly. It returns the logits of the
 rows that sample in the model dtype (the LM head's output, not upcast: the sampler reads it
 as it is).
+
+Nothing the runner owns refers back to it (the graphs hold a forward function of the model,
+not a bound method of the runner), so dropping the last reference frees the KV cache and the
+graphs at once, with no wait for Python's cyclic GC; ``close`` frees them explicitly.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
+
+
+def decode_forward(
+    model: torch.nn.Module, greedy_head: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> Callable[[ForwardBatch], tuple[torch.Tensor, ...]]:
+    """What a decode or step graph computes: the logits, and the greedy head's [B, 3] when
+    set (row-wise, so a padded bucket gives every real row its own bits)."""
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        logits = model(batch, upcast=False)
+        if greedy_head is None:
+            return (logits,)
+        return logits, greedy_head(logits)
+
+    return forward
 
 
 class ModelRunner:
@@ -42,6 +61,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.greedy_head = greedy_head
+        # A function of the model and head only: the graphs keep it, and a bound method would
+        # make runner -> graphs -> runner a cycle that holds the KV cache until a collection.
+        self._decode_forward = decode_forward(model, greedy_head)
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -58,7 +80,9 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def build_graphs(self, max_num_seqs: int,
+                     max_num_batched_tokens: int) -> tuple[DecodeGraphs, StepGraphs | None]:
+        """The decode and step graphs' buffers, not captured yet (any device)."""
         graphs = DecodeGraphs(
             self._decode_forward,
             device=self.device,
@@ -74,6 +98,10 @@ class ModelRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             max_model_len=self.max_model_len, num_adapters=self.num_adapters,
         ) if buckets else None
+        return graphs, step_graphs
+
+    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        graphs, step_graphs = self.build_graphs(max_num_seqs, max_num_batched_tokens)
         try:
             with torch.inference_mode(), gc_paused():
                 graphs.capture()
@@ -90,13 +118,16 @@ class ModelRunner:
         self.graphs = graphs
         self.step_graphs = step_graphs
 
-    def _decode_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """What a decode or step graph computes: the logits, and the greedy head's [B, 2] when set
-        (row-wise, so a padded bucket gives every real row its own bits)."""
-        logits = self.model(batch, upcast=False)
-        if self.greedy_head is None:
-            return (logits,)
-        return logits, self.greedy_head(logits)
+    def close(self) -> None:
+        """Free the CUDA graphs (and their memory pool), the KV cache and the device buffers
+        now; the runner cannot run steps afterwards."""
+        for graphs in (self.step_graphs, self.graphs):
+            if graphs is not None:
+                graphs.close()
+        self.graphs = self.step_graphs = None
+        self.model.release_kv_cache()
+        self.kv_cache = None
+        self._feed = None
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         dev = self.device

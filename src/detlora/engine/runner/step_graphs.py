@@ -190,6 +190,14 @@ class StepGraphs:
         self.stage(step, bucket)
         torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Free every captured graph and its outputs now (their pool's memory goes back to
+        the caching allocator once no graph of the pool is left)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """Replay the graph for ``step``; the forward's outputs cut to the step's logits
         rows."""

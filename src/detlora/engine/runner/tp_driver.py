@@ -177,6 +177,11 @@ class TensorParallelRunner:
         """Rank 0 keeps them; a step that reads them broadcasts them first."""
         self.local.feed(tokens)
 
+    def close(self) -> None:
+        """Free rank 0's graphs and KV cache now (the workers free theirs when the driver
+        shuts them down)."""
+        self.local.close()
+
     def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
         self.driver.send(("execute", step, decode_only))
 
