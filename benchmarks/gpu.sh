@@ -11,7 +11,7 @@
 #   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine (its two halves)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
-#                     study-tests multi-lora-tests
+#                     study-tests multi-lora-tests robust-tests
 #                     tensor-parallel-tests (2+ GPUs for most)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
@@ -108,6 +108,12 @@ for step in "${steps[@]}"; do
     tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \
                              tests/gpu/test_tensor_parallel_ops_gpu.py \
                              tests/gpu/test_tensor_parallel_gpu.py --durations=10 || status=1 ;;
+    # Non-finite logits at every level (eager and graphs), engines built and dropped ten
+    # times at the default memory utilization, the greedy head's finite flag.
+    robust-tests) gpu_tests gpu_tests_robust.log 30 tests/gpu/test_robust_gpu.py \
+                    tests/gpu/test_sampling_gpu.py \
+                    "tests/gpu/test_engine_gpu.py::test_capture_survives_a_dead_engine_collected_mid_capture" \
+                    --durations=10 -rA || status=1 ;;
 
     kernels) python3 -m benchmarks.suites.lora_kernels --out "$OUT/lora_kernels.json" \
                || status=1 ;;

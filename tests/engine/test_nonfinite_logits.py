@@ -248,3 +248,53 @@ def test_non_finite_alpha_is_refused_when_loading(llama_dir, llama_adapters, tmp
         llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0,
                                                  max_tokens=2), LoRARequest("x", 3, str(bad)),
                      use_tqdm=False)
+
+
+def _decode_time_target(prompts, outs, skip=()):
+    """(row, token): a row whose second output token appears in no other row's prompt or
+    outputs, nor earlier in its own; a NaN embedding of that token then breaks that row alone,
+    at the decode step that feeds it."""
+    for r, o in enumerate(outs):
+        ids = o.outputs[0].token_ids
+        if r in skip or len(ids) < 3:
+            continue
+        t = ids[1]
+        others = {x for k, p in enumerate(prompts) if k != r for x in p}
+        others |= {x for k, oo in enumerate(outs) if k != r for x in oo.outputs[0].token_ids}
+        if t != 0 and t not in others and t not in prompts[r] and t != ids[0]:
+            return r, t
+    raise AssertionError("no row with a private second token")
+
+
+@pytest.mark.parametrize("graph_head", [False, True], ids=["eager", "graph_head"])
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_row_that_turns_non_finite_mid_decode(llama_dir, llama_adapters, graph_head,
+                                                run_ahead):
+    """A NaN embedding row (set after loading) breaks the one sequence that feeds that token:
+    its first tokens are kept, it errors at the next decode step, and the other rows keep
+    their bits (batch_invariant: the batch shrinks earlier, nothing else changes); a step
+    launched ahead for it is dropped."""
+    prompts = random_prompts(6, seed=44)
+    params = [_params(k, 8) for k in range(6)]
+    loras = [None, LoRARequest("a0", 1, str(llama_adapters[0])), None,
+             LoRARequest("a1", 2, str(llama_adapters[1])), None, None]
+    llm = _llm(llama_dir, "batch_invariant")
+    llm.engine.run_ahead = run_ahead
+    if graph_head:
+        _emulate_graph_head(llm.engine)
+    clean = llm.generate(prompts, params, loras, use_tqdm=False)
+    r, token = _decode_time_target(prompts, clean)
+    with torch.no_grad():
+        llm.engine.model.embed_tokens.weight[token] = float("nan")
+    outs = llm.generate(prompts, params, loras, use_tqdm=False)
+    c = outs[r].outputs[0]
+    assert c.finish_reason == "error" and c.token_ids == clean[r].outputs[0].token_ids[:2]
+    assert "when sampling output token 3" in c.error
+    who = "the base model" if loras[r] is None else f"adapter {loras[r].name!r}"
+    assert who in c.error
+    _assert_in_vocab(outs)
+    for k in range(6):
+        if k != r:
+            assert same_outputs(outs[k], clean[k]), k
+    if run_ahead:
+        assert llm.engine.num_steps_ahead > 0
