@@ -64,8 +64,10 @@ def test_bad_adapters_fail_and_the_engine_recovers(llm, tmp_path, llama_adapters
     shutil.copytree(llama_adapters[0], wide)
     cfg = json.loads((wide / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))
-    with pytest.raises(ValueError, match="rank"):
-        llm.generate(prompt, sp, LoRARequest("rank", 8, str(wide)), use_tqdm=False)
+    # Read when its step needs it: its own request fails, with the reason.
+    out = llm.generate(prompt, sp, LoRARequest("rank", 8, str(wide)), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert "has rank 8 but adapter_config.json says r=4" in out.outputs[0].error
     assert not llm.engine.has_unfinished()
     assert llm.engine.block_manager.num_free == llm.engine.num_kv_blocks
     ok = llm.generate(prompt, sp, LoRARequest("a0", 1, str(llama_adapters[0])), use_tqdm=False)

@@ -236,7 +236,8 @@ def test_finite_garbage_bytes_in_an_adapter_error_their_row(llama_dir, llama_ada
 
 
 @pytest.mark.parametrize("alpha", ["Infinity", "NaN"])
-def test_non_finite_alpha_is_refused_when_loading(llama_dir, llama_adapters, tmp_path, alpha):
+def test_non_finite_alpha_fails_its_request_when_loading(llama_dir, llama_adapters, tmp_path,
+                                                         alpha):
     bad = tmp_path / "alpha"
     shutil.copytree(llama_adapters[0], bad)
     text = (bad / "adapter_config.json").read_text()
@@ -244,10 +245,11 @@ def test_non_finite_alpha_is_refused_when_loading(llama_dir, llama_adapters, tmp
     cfg.pop("lora_alpha")
     (bad / "adapter_config.json").write_text(json.dumps(cfg)[:-1] + f', "lora_alpha": {alpha}}}')
     llm = _llm(llama_dir, "fast")
-    with pytest.raises(ValueError, match="lora_alpha must be a finite positive number"):
-        llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0,
-                                                 max_tokens=2), LoRARequest("x", 3, str(bad)),
-                     use_tqdm=False)
+    outs = llm.generate([[3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=2),
+                        [LoRARequest("x", 3, str(bad)), None], use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "error" and "lora_alpha must be a finite positive number" in c.error
+    assert outs[1].outputs[0].finish_reason == "length"
 
 
 def _decode_time_target(prompts, outs, skip=()):

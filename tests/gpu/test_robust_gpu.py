@@ -62,7 +62,8 @@ def _llm(model_dir, level, eager, **kw) -> LLM:
 
 
 def _params(n: int, max_tokens: int = 12) -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True) if k % 2 == 0
+    return [SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, temperature=0.0)
+            if k % 2 == 0
             else SamplingParams(max_tokens=max_tokens, logprobs=1, ignore_eos=True,
                                 temperature=0.8, top_p=0.95, seed=k)
             for k in range(n)]
@@ -92,7 +93,7 @@ def test_an_overflowing_adapter_row_errors_and_the_others_keep_their_bits(assets
     model_dir, loras, prompts = assets
     mix = [None, loras["a0"], loras["big"], loras["a1"], None, loras["a0"]]
     params = _params(len(mix))
-    params[2] = SamplingParams(max_tokens=1, logprobs=0)  # its twin ends with it
+    params[2] = SamplingParams(max_tokens=1, logprobs=0, temperature=0.0)  # its twin too
     prompts = prompts[: len(mix)]
     llm = _llm(model_dir, level, eager)
     assert llm.engine.runner.uses_cuda_graphs is not eager, llm.engine.runner.graph_error

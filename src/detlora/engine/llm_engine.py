@@ -288,6 +288,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps launched before the previous one was read
         self._inflight: _InFlight | None = None  # a launched step not read yet
+        self._failed: list[Seq] = []  # finished before their step ran, not returned yet
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
@@ -425,6 +426,9 @@ class LLMEngine:
             if not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
             self.lora_manager.check(lora)
+            if not Path(lora.real_path).is_dir():  # the rest is checked when it is read
+                raise FileNotFoundError(f"adapter directory {lora.path} does not exist "
+                                        f"(LoRARequest {lora.name!r}, id {lora.id})")
         pages = self.block_manager.blocks_for(self._max_len(n, params) - 1)
         if pages > self.block_manager.num_blocks:
             outputs = params.max_tokens or f"up to max_model_len={self.max_model_len}"
@@ -499,6 +503,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every unfinished request (and a step in flight) and free its pages."""
         self._inflight = None
+        self._failed = []
         self.scheduler.abort_all()
 
     # ---- adapters ----
@@ -628,14 +633,20 @@ class LLMEngine:
                 return []
             self._inflight = self._launch(sched)
             if self._inflight is None:
-                return []  # a prefill chunk: nothing sampled yet
+                return self._take_failed()  # a prefill chunk: nothing sampled yet
         current = self._inflight
         self._inflight = self._launch_ahead(current)
         touched = self._collect(current)
         if self._inflight is not None and not self.scheduler.running:
             self._collect(self._inflight)  # every row of it belongs to a finished sequence
             self._inflight = None
-        return touched
+        return self._take_failed() + touched
+
+    def _take_failed(self) -> list[Seq]:
+        """The sequences that failed before their step ran (an adapter that would not load),
+        once."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _launch(self, sched: SchedulerOutput,
                 fed_rows: list[int] | None = None) -> _InFlight | None:
@@ -649,7 +660,10 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         slots = [-1] * len(seqs)
         if self.lora_manager is not None:
-            slots = self.lora_manager.activate([s.lora for s in seqs])
+            sched, fed_rows, slots = self._activate_adapters(sched, fed_rows)
+            if not sched.scheduled:
+                return None
+            seqs = [s.seq for s in sched.scheduled]
         step = build_step_inputs(sched, slots, self.config.block_size)
         if fed_rows is not None:
             step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
@@ -679,6 +693,48 @@ class LLMEngine:
         for s in sampling:  # the token's place, filled when the step is read
             s.token_ids.append(UNREAD)
         return _InFlight(sampling, positions, pending, self.num_steps)
+
+    def _activate_adapters(
+        self, sched: SchedulerOutput, fed_rows: list[int] | None,
+    ) -> tuple[SchedulerOutput, list[int] | None, list[int]]:
+        """Every scheduled sequence's adapter slot (-1: none). A sequence whose adapter
+        cannot be loaded (unreadable, refused by its checks, changed on disk) leaves the step
+        and finishes with finish_reason "error": its own requests fail, not the batch."""
+        assert self.lora_manager is not None
+        items = list(sched.scheduled)
+        self.lora_manager.begin_step([it.seq.lora for it in items])
+        slot_of: dict[int, int] = {}
+        failed: dict[int, Exception] = {}
+        for it in items:
+            lora = it.seq.lora
+            if lora is None or lora.id in slot_of or lora.id in failed:
+                continue
+            try:
+                slot_of[lora.id] = self.lora_manager.slot_for(lora)
+            except (ValueError, TypeError, OSError) as e:  # OSError: a file that vanished
+                failed[lora.id] = e
+        if failed:
+            kept = [k for k, it in enumerate(items)
+                    if it.seq.lora is None or it.seq.lora.id not in failed]
+            for k, it in enumerate(items):
+                if k not in kept:
+                    lora = it.seq.lora
+                    self._fail(it.seq, f"adapter {lora.name!r} (id {lora.id}, {lora.path}) "
+                                       f"could not be loaded: {failed[lora.id]}")
+            sched = dataclasses.replace(sched, scheduled=tuple(items[k] for k in kept))
+            fed_rows = None if fed_rows is None else [fed_rows[k] for k in kept]
+        slots = [-1 if it.seq.lora is None else slot_of[it.seq.lora.id]
+                 for it in sched.scheduled]
+        return sched, fed_rows, slots
+
+    def _fail(self, seq: Seq, message: str) -> None:
+        """Finish ``seq`` with finish_reason "error" before its step runs; ``step_sequences``
+        returns it."""
+        while seq.token_ids and seq.token_ids[-1] == UNREAD:  # a token it will not read
+            seq.token_ids.pop()
+        seq.error = message
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        self._failed.append(seq)
 
     def _read_labels(self, sampling: list[Seq], logits: torch.Tensor) -> None:
         """The raw logprobs at their label ids of the rows sampling a first output token."""
@@ -841,6 +897,16 @@ class LLMEngine:
             adapter = self.lora_manager.adapter_hash(lora.lora_int_id)
         return fingerprint(self._fingerprint_parts, adapter)
 
+    def _output_fingerprint(self, seq: Seq) -> str:
+        """``fingerprint_of`` the request's adapter; one that never loaded (the request
+        failed) has no content hash, so its path stands in for it."""
+        try:
+            return self.fingerprint_of(seq.lora)
+        except ValueError:
+            if seq.finish_reason is not FinishReason.ERROR:
+                raise
+            return fingerprint(self._fingerprint_parts, f"not loaded: {seq.lora.real_path}")
+
     def output_of(self, seq: Seq, *, delta: bool = False) -> RequestOutput:
         """The request's output so far (its read tokens), or with ``delta`` only the tokens,
         logprobs and text not reported by an earlier delta. Text needs a tokenizer and
@@ -875,7 +941,7 @@ class LLMEngine:
             prompt_token_ids=list(seq.prompt_token_ids),
             outputs=[completion],
             finished=seq.is_finished,
-            fingerprint=self.fingerprint_of(seq.lora),
+            fingerprint=self._output_fingerprint(seq),
             prompt_logprobs=None if params.prompt_logprobs is None or not first else [None, *(
                 self._logprobs_entry(d, ranks)
                 for d, ranks in zip(seq.prompt_logprobs, seq.prompt_logprob_ranks, strict=True))],
