@@ -64,13 +64,14 @@ def test_a_bad_adapter_errors_its_requests_and_the_others_run(llm, llama_adapter
               SamplingParams(max_tokens=4, temperature=0.0),
               SamplingParams(max_tokens=4, temperature=0.7, seed=4, logprobs=1)]
     good = LoRARequest("a1", 2, str(llama_adapters[1]))
-    broken = LoRARequest("broken", 7, str(bad))
+    lora_id = {"nan_weights": 7, "rank_mismatch": 17, "runaway_pattern": 27}[case]
+    broken = LoRARequest("broken", lora_id, str(bad))
     loras = [good, broken, None, broken]
     outs = llm.generate(prompts, params, loras, use_tqdm=False)
     for k in (1, 3):
         c = outs[k].outputs[0]
         assert outs[k].finished and c.finish_reason == "error" and c.token_ids == []
-        assert "adapter 'broken' (id 7" in c.error and "could not be loaded" in c.error
+        assert f"adapter 'broken' (id {lora_id}," in c.error and "could not be loaded" in c.error
         assert re.search(reason, c.error), c.error
     alone = llm.generate([prompts[0], prompts[2]], [params[0], params[2]], [good, None],
                          use_tqdm=False)
@@ -78,7 +79,7 @@ def test_a_bad_adapter_errors_its_requests_and_the_others_run(llm, llama_adapter
     assert not llm.engine.has_unfinished()
     assert llm.engine.block_manager.num_free == llm.engine.num_kv_blocks
     # The id is not pinned by the failed load: the fixed adapter runs under it.
-    fixed = LoRARequest("broken", 7, str(llama_adapters[0]))
+    fixed = LoRARequest("broken", lora_id, str(llama_adapters[0]))
     ok = llm.generate(prompts[1], params[1], fixed, use_tqdm=False)
     assert ok[0].outputs[0].finish_reason == "length"
 

@@ -198,6 +198,7 @@ class CheckResult:
     comparisons: int
     differing: int  # outputs whose token ids or logprobs differ from the reference
     differing_tokens: int  # outputs whose token ids differ
+    note: str = ""  # what this level's run did (preemptions, cached tokens): levels differ
 
 
 def _same(a, b) -> bool:
@@ -351,11 +352,12 @@ def run_demo(
                     outs.update(zip(idx, got, strict=True))
                 return [outs[k] for k in range(n)]
 
-            def record(check: str, outs: list, ref: list = alone, level=level) -> None:
+            def record(check: str, outs: list, ref: list = alone, level=level,
+                       note: str = "") -> None:
                 pairs = list(zip(ref, outs, strict=True))
                 diff = sum(not _same(a, b) for a, b in pairs)
                 toks = sum(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in pairs)
-                results.append(CheckResult(check, level, n, diff, toks))
+                results.append(CheckResult(check, level, n, diff, toks, note))
                 bar.update(1)
 
             full = batched(range(n), n)
@@ -370,8 +372,8 @@ def run_demo(
                         block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
                         **lora_args, **engine)
             pre = small.generate(prompts, params, mixed, use_tqdm=False)
-            record(f"preempted ({small.engine.scheduler.num_preemptions}x), chunked vs alone",
-                   pre)
+            record("preempted, chunked vs alone", pre,
+                   note=f"{small.engine.scheduler.num_preemptions} preemptions")
             # A second turn: each prompt followed by its answer, run again. With the cache its
             # K/V pages (written in the batched prefill and decode steps) are reused.
             turns = [o.prompt_token_ids + o.outputs[0].token_ids for o in full]
@@ -385,7 +387,8 @@ def run_demo(
             cached.generate(prompts, params, mixed, use_tqdm=False)
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)
-            record(f"second turn on cached pages ({hits} tokens) vs alone", reused, turn_alone)
+            record("second turn on cached pages vs alone", reused, turn_alone,
+                   note=f"{hits} cached tokens")
             # Free this level's engines before the next sizes its KV cache from free memory
             # (``batched`` holds ``llm`` as a default argument).
             for e in (llm, small, cached):
@@ -426,17 +429,20 @@ def _save(demo: DemoModel, dest: Path, log: Callable[[str], None]) -> None:
 def _print_table(results: list[CheckResult], levels: Sequence[str],
                  log: Callable[[str], None]) -> None:
     checks = list(dict.fromkeys(r.check for r in results))
-    width = max(len(c) for c in checks) + 2
-    log("")
-    log("check".ljust(width) + "".join(lv.ljust(28) for lv in levels))
+    rows = []
     for check in checks:
         cells = []
         for lv in levels:
             r = next(x for x in results if x.check == check and x.level == lv)
             cell = "identical" if r.differing == 0 else \
                 f"DIFFERS {r.differing}/{r.comparisons} ({r.differing_tokens} in tokens)"
-            cells.append(cell.ljust(28))
-        log(check.ljust(width) + "".join(cells))
+            cells.append(f"{cell} ({r.note})" if r.note else cell)
+        rows.append([check, *cells])
+    header = ["check", *levels]
+    widths = [max(len(row[c]) for row in [header, *rows]) + 2 for c in range(len(header))]
+    log("")
+    for row in [header, *rows]:
+        log("".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     log("(DIFFERS k/n: k of n outputs changed their logprobs or token ids)")
     for lv in levels:
         verdict = _verdict(results, lv)
