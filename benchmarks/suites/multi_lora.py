@@ -23,7 +23,8 @@ invariance  token ids and logprobs compared with == (``differing`` of ``comparis
             after an eviction (copied back from host memory), after leaving the host cache
             (read from disk again), with 63 others resident at max_loras 64, and slot 0 against
             slot 7 at run_to_run (the same batch); 16 requests of the Zipf traffic run alone
-            afterwards against their outputs in it; the Zipf run at max_loras 8 against 32.
+            afterwards against their outputs in it; the Zipf run at max_loras 8 against 32
+            (the same adapter for every request in both: the draws do not follow max_loras).
 
     {"meta": {...}, "traffic": [{"model", "adapters", "distribution", "max_loras",
      "output_tok_per_s", "vs_single", ...}], "slot_cost": [{"model", "max_loras", "batch",
@@ -198,17 +199,26 @@ def event_us(fn: Callable[[], Any], reps: int = 30) -> float:
 # ----------------------------------------------------------------------------- traffic
 
 
-def _distributions(plan: Plan, max_loras: int, seed: int) -> dict[str, tuple[int, list[int]]]:
-    """name -> (adapters drawn from, the adapter index of each request)."""
-    g = torch.Generator().manual_seed(seed)
+def _distributions(plan: Plan, max_loras: int, seed: int = 0
+                   ) -> dict[str, tuple[int, list[int]]]:
+    """name -> (adapters drawn from, the adapter index of each request).
+
+    Each law draws from its own generator seeded by ``seed`` alone: the Zipf and uniform picks
+    are the same at every ``max_loras`` (only the working set's size follows it), so the runs
+    at two slot counts serve every request with the same adapter and their outputs can be
+    compared bit for bit."""
     n, r = plan.adapters, plan.requests
+
+    def gen(law: int) -> torch.Generator:
+        return torch.Generator().manual_seed(4 * seed + law)
+
     zipf = 1.0 / torch.arange(1, n + 1, dtype=torch.float64) ** plan.zipf_s
     ws = min(n, plan.working_set_factor * max_loras)
     return {
         "single": (1, [0] * r),
-        "working_set_uniform": (ws, torch.randint(0, ws, (r,), generator=g).tolist()),
-        "zipf": (n, torch.multinomial(zipf, r, replacement=True, generator=g).tolist()),
-        "uniform": (n, torch.randint(0, n, (r,), generator=g).tolist()),
+        "working_set_uniform": (ws, torch.randint(0, ws, (r,), generator=gen(1)).tolist()),
+        "zipf": (n, torch.multinomial(zipf, r, replacement=True, generator=gen(2)).tolist()),
+        "uniform": (n, torch.randint(0, n, (r,), generator=gen(3)).tolist()),
     }
 
 
@@ -221,7 +231,7 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
     params = _params(plan)
     rows: list[dict[str, Any]] = []
     invariance: list[dict[str, Any]] = []
-    zipf_outputs: dict[int, list[Any]] = {}
+    zipf_outputs: dict[int, tuple[list[int], list[Any]]] = {}
     for ml in plan.traffic_max_loras:
         t0 = time.perf_counter()
         kv = None if plan.device == "cpu" else 256 * -(-(plan.prompt_len + plan.output_len)
@@ -236,7 +246,7 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
         llm.generate([prompts[k] for k in warm], params, [adapters[0]] * len(warm),
                      use_tqdm=False)
         single_tps = None
-        for dist, (drawn, picks) in _distributions(plan, ml, seed=ml).items():
+        for dist, (drawn, picks) in _distributions(plan, ml).items():
             loras = [adapters[k] for k in picks]
             before = eng.lora_stats.as_dict()
             steps = eng.num_steps
@@ -259,7 +269,7 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
                 f"{row['steps']} steps, {row['swaps']} swaps ({row['prefetch_swaps']} ahead), "
                 f"{row['disk_loads']} reads, host {row['host_hits']}/{row['host_misses']}")
             if dist == "zipf":
-                zipf_outputs[ml] = outs
+                zipf_outputs[ml] = (picks, outs)
                 picked = random.Random(ml).sample(range(plan.requests),
                                                   min(plan.traffic_vs_alone, plan.requests))
                 alone = [llm.generate(prompts[k], params, loras[k], use_tqdm=False)[0]
@@ -271,7 +281,10 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
         del llm, eng
         _free()
     if len(zipf_outputs) > 1:
-        (a, outs_a), (b, outs_b) = list(zipf_outputs.items())[:2]
+        (a, (picks_a, outs_a)), (b, (picks_b, outs_b)) = list(zipf_outputs.items())[:2]
+        # Only the same request with the same adapter must give the same bits.
+        if picks_a != picks_b:
+            raise RuntimeError(f"the Zipf runs at max_loras {a} and {b} drew other adapters")
         differing = count_differing(outs_a, outs_b)
         invariance.append({"check": f"zipf_traffic_max_loras_{a}_vs_{b}",
                            "comparisons": len(outs_a), "differing": differing})

@@ -1,11 +1,11 @@
 """suites.multi_lora on the CPU, on a tiny model: the traffic and slot-cost parts run end to end
 and give rows of the results schema; every traffic request of the Zipf run rerun alone gives
-the same bits."""
+the same bits, and so does the Zipf run at another max_loras (which draws the same adapters)."""
 
 from dataclasses import replace
 
 from benchmarks.harness.headlines import headline
-from benchmarks.suites.multi_lora import Plan, run
+from benchmarks.suites.multi_lora import Plan, _distributions, run
 
 
 def test_tiny_traffic_and_slot_cost():
@@ -27,3 +27,23 @@ def test_tiny_traffic_and_slot_cost():
     figures = headline({**result, "meta": {}})
     assert figures["vs_single"]["zipf_max_loras_2"] == traffic[2]["vs_single"]
     assert figures["differing_outputs"] == "0/2"
+
+
+def test_draws_do_not_follow_max_loras():
+    """The Zipf and uniform laws pick the same adapter for every request at any max_loras
+    (the max_loras 8 vs 32 comparison once compared other adapters: 495/512 'differed')."""
+    plan = Plan()
+    a, b = _distributions(plan, 8), _distributions(plan, 32)
+    for law in ("single", "zipf", "uniform"):
+        assert a[law] == b[law], law
+    assert a["working_set_uniform"][0] == 48 and b["working_set_uniform"][0] == 192
+    assert len(set(a["zipf"][1])) > 100
+
+
+def test_zipf_traffic_at_two_max_loras_has_the_same_bits():
+    plan = replace(Plan.tiny(), adapters=10, requests=8, traffic_max_loras=(1, 3),
+                   traffic_vs_alone=1)
+    result = run(plan, parts=("traffic",), log=lambda _: None)
+    (check,) = [r for r in result["invariance"] if r["check"] == "zipf_traffic_max_loras_1_vs_3"]
+    assert check == {"check": "zipf_traffic_max_loras_1_vs_3", "comparisons": 8,
+                     "differing": 0}
