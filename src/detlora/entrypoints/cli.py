@@ -39,7 +39,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     has_cuda = _prepare_runtime()
     from detlora.study.replay_table import run_replay_table
 
-    run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden, rank=args.rank)
+    run_replay_table(has_cuda, executions=args.executions, hidden=args.hidden, rank=args.rank,
+                     progress=False if args.no_progress else None)
     return 0
 
 
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden size (default: 3072 on GPU, 320 on CPU)")
     p.add_argument("--rank", type=_int_at_least(1), default=16, help="adapter rank "
                    "(default: 16)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
     p.set_defaults(func=_cmd_replay)
 
     g = sub.add_parser("generate", help="generate text with a model (and LoRA adapters)")
