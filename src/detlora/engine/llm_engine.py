@@ -245,8 +245,9 @@ class LLMEngine:
         )
 
         def local_runner() -> ModelRunner:
+            # Rank 0's only: the bar over the graph capture (the workers capture alongside).
             return ModelRunner(self.model, greedy_head=self.sampler.greedy_head,
-                               device=self.device, **runner_args)
+                               device=self.device, progress=True, **runner_args)
 
         # Under tensor parallelism every rank builds its runner (and captures its graphs)
         # at once; the workers' runners compute logits but sample nothing.

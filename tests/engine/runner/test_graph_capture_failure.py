@@ -3,6 +3,11 @@ an earlier call invalidated it."""
 
 from __future__ import annotations
 
+import io
+import sys
+
+import pytest
+
 from detlora.engine.runner.graph_capture import describe_capture_failure
 
 
@@ -95,12 +100,15 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
     class FakeGraphs:
         feed = None
         pool = None
+        buckets = (1, 2)
 
         def __init__(self, *args, **kwargs) -> None:
             pass
 
         def capture(self, *args) -> None:
             seen.append(gc.isenabled())
+            for _ in self.buckets:
+                args[-1]()  # the progress bar's tick
 
     monkeypatch.setattr(mr, "DecodeGraphs", FakeGraphs)
     monkeypatch.setattr(mr, "StepGraphs", FakeGraphs)
@@ -111,3 +119,78 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
     runner._capture(max_num_seqs=4, max_num_batched_tokens=64)
     assert seen == [False, False] and gc.isenabled()
     assert runner.graphs is not None and runner.step_graphs is not None
+
+
+class _Stderr(io.StringIO):
+    """A stderr that says whether it is a terminal, whatever pytest's capture is."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(("tty", "enabled", "total", "shown"), [
+    (True, True, 3, True),
+    (False, True, 3, False),  # stderr is not a terminal
+    (True, False, 3, False),  # a tensor-parallel worker's runner
+    (True, True, 0, False),  # nothing to capture
+])
+def test_capture_progress_shows_only_on_a_terminal_with_graphs_to_capture(
+        monkeypatch, tty, enabled, total, shown) -> None:
+    from detlora.engine.runner.graph_capture import capture_progress
+
+    err = _Stderr(tty)
+    monkeypatch.setattr(sys, "stderr", err)
+    with capture_progress(total, enabled=enabled) as bar:
+        assert bar.disable is not shown
+        for _ in range(total):
+            bar.update()
+    text = err.getvalue()
+    assert ("capturing CUDA graphs:" in text and f"/{total} [" in text) is shown
+    assert shown or text == ""
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_runner_counts_every_graph_it_captures(monkeypatch, progress) -> None:
+    import torch
+
+    import detlora.engine.runner.model_runner as mr
+
+    class FakeGraphs:
+        feed = None
+        pool = None
+
+        def __init__(self, *args, buckets=(1, 2, 4), **kwargs) -> None:
+            self.buckets = list(buckets)
+
+        def capture(self, *args) -> None:
+            for _ in self.buckets:
+                args[-1]()
+
+    err = _Stderr(True)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(mr, "DecodeGraphs", FakeGraphs)
+    monkeypatch.setattr(mr, "StepGraphs", FakeGraphs)
+    monkeypatch.setattr(mr, "step_graph_buckets", lambda t, s: [(16, 1), (16, 4)])
+    runner = object.__new__(mr.ModelRunner)
+    runner.device, runner.max_model_len, runner.block_size = torch.device("cpu"), 64, 16
+    runner.num_adapters, runner.graph_error = None, None
+    runner._decode_forward = lambda batch: ()
+    bars, real = [], mr.capture_progress
+
+    def capture_progress(total, *, enabled):
+        bars.append(real(total, enabled=enabled))
+        shown.append(not bars[-1].disable)  # closing a bar disables it
+        return bars[-1]
+
+    shown = []
+    monkeypatch.setattr(mr, "capture_progress", capture_progress)
+    runner._capture(max_num_seqs=4, max_num_batched_tokens=64, progress=progress)
+    # 3 decode graphs and 2 step graphs, one bar; none unless asked (the engine's rank 0).
+    [bar] = bars
+    assert shown == [progress] and bar.total == 5
+    assert bar.n == (5 if progress else 0)  # a disabled bar counts nothing
+    assert ("capturing CUDA graphs:" in err.getvalue()) is progress

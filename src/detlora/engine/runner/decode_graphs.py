@@ -21,6 +21,8 @@ round trip.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
@@ -111,8 +113,9 @@ class DecodeGraphs:
         return ForwardBatch(input_ids, self.positions[:b], attn,
                             self.logits_indices[:b], lora)
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first, sharing one memory pool."""
+    def capture(self, captured: Callable[[], object] | None = None) -> None:
+        """Capture every bucket, largest first, sharing one memory pool; ``captured`` is
+        called after each (a progress bar's tick)."""
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
@@ -122,6 +125,8 @@ class DecodeGraphs:
             self.graphs[b], self.outputs[b] = capture_bucket(
                 self.forward, lambda b=b: self._batch(b), pool=pool, stream=stream,
                 device=self.device)
+            if captured is not None:
+                captured()
         torch.cuda.synchronize(self.device)
 
     def bucket_for(self, num_seqs: int) -> int | None:

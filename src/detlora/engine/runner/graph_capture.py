@@ -9,11 +9,13 @@ step kernels are a few microseconds each, and PDL hides the gaps between them.
 from __future__ import annotations
 
 import gc
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from tqdm import tqdm
 
 from detlora.layers.forward_batch import ForwardBatch
 
@@ -40,6 +42,15 @@ def capture_bucket(
         with torch.cuda.graph(graph, pool=pool):
             outputs = forward(batch())
     return graph, outputs
+
+
+def capture_progress(total: int, *, enabled: bool) -> tqdm:
+    """A bar over the ``total`` graphs being captured (each compiles its kernels first), on
+    stderr: off unless ``enabled``, there is a graph to capture and stderr is a terminal.
+    Host-side only: it changes nothing the graphs record."""
+    return tqdm(total=total, desc="capturing CUDA graphs", unit="graph", leave=False,
+                disable=not (enabled and total > 0 and sys.stderr.isatty()), file=sys.stderr,
+                dynamic_ncols=True)
 
 
 @contextmanager
@@ -77,4 +88,5 @@ def describe_capture_failure(error: BaseException) -> str:
     return " -> ".join(f"{type(e).__name__}: {e}" for e in reversed(chain)) + where
 
 
-__all__ = ["Forward", "capture_bucket", "describe_capture_failure", "gc_paused"]
+__all__ = ["Forward", "capture_bucket", "capture_progress", "describe_capture_failure",
+           "gc_paused"]

@@ -22,7 +22,11 @@ from typing import NamedTuple
 import torch
 
 from detlora.engine.runner.decode_graphs import DecodeGraphs
-from detlora.engine.runner.graph_capture import describe_capture_failure, gc_paused
+from detlora.engine.runner.graph_capture import (
+    capture_progress,
+    describe_capture_failure,
+    gc_paused,
+)
 from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
@@ -58,6 +62,7 @@ class ModelRunner:
         num_adapters: int | None,
         use_cuda_graphs: bool,
         max_num_batched_tokens: int | None = None,  # prefill graphs up to this many tokens
+        progress: bool = False,  # a bar over the graph capture (on a terminal)
     ) -> None:
         self.model = model
         self.greedy_head = greedy_head
@@ -74,7 +79,7 @@ class ModelRunner:
         self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graph_error: str | None = None
         if use_cuda_graphs and device.type == "cuda":
-            self._capture(max_num_seqs, max_num_batched_tokens or 0)
+            self._capture(max_num_seqs, max_num_batched_tokens or 0, progress=progress)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -100,13 +105,16 @@ class ModelRunner:
         ) if buckets else None
         return graphs, step_graphs
 
-    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def _capture(self, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 progress: bool = False) -> None:
         graphs, step_graphs = self.build_graphs(max_num_seqs, max_num_batched_tokens)
+        total = len(graphs.buckets) + (len(step_graphs.buckets) if step_graphs is not None else 0)
         try:
-            with torch.inference_mode(), gc_paused():
-                graphs.capture()
+            with torch.inference_mode(), gc_paused(), \
+                    capture_progress(total, enabled=progress) as bar:
+                graphs.capture(bar.update)
                 if step_graphs is not None:
-                    step_graphs.capture(graphs.pool)
+                    step_graphs.capture(graphs.pool, bar.update)
         except Exception as e:  # a kernel that syncs the host cannot be captured
             self.graph_error = describe_capture_failure(e)
             warnings.warn(

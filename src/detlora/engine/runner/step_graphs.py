@@ -27,6 +27,8 @@ the engine leaves in ``feed``) are gathered inside the graph, as in the decode g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
@@ -171,14 +173,17 @@ class StepGraphs:
 
     # ---- capture and replay ----
 
-    def capture(self, pool: object) -> None:
-        """Capture every bucket, largest first, in the memory pool ``pool``."""
+    def capture(self, pool: object, captured: Callable[[], object] | None = None) -> None:
+        """Capture every bucket, largest first, in the memory pool ``pool``; ``captured`` is
+        called after each (a progress bar's tick)."""
         stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             self._stage_empty(bucket)
             self.graphs[bucket], self.outputs[bucket] = capture_bucket(
                 self.forward, lambda bucket=bucket: self.batch(*bucket), pool=pool,
                 stream=stream, device=self.device)
+            if captured is not None:
+                captured()
         torch.cuda.synchronize(self.device)
 
     def _stage_empty(self, bucket: tuple[int, int]) -> None:
