@@ -65,3 +65,24 @@ def test_softmax_is_exact_and_rejects_zero_mass():
     assert softmax([0.0, 0.0]) == [0.5, 0.5]
     with pytest.raises(ValueError):
         softmax([-math.inf, -math.inf])
+
+
+def test_a_question_whose_adapter_cannot_load_raises_with_the_reason(setup, tmp_path):
+    """An adapter refused when its step reads it (here a NaN weight) ends the reads with
+    finish_reason "error": decide raises naming the question and the reason, and the engine
+    answers the next call."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    llm, lora = setup
+    bad = tmp_path / "nan"
+    shutil.copytree(lora.path, bad)
+    file = bad / "adapter_model.safetensors"
+    tensors = load_file(file)
+    tensors[sorted(tensors)[0]][0, 0] = float("nan")
+    save_file(tensors, file)
+    with pytest.raises(RuntimeError, match=r"question 'toxic' could not be read: .*non-finite"):
+        llm.decide("x", {"toxic": QUESTIONS["toxic"]}, lora_request=LoRARequest("nan", 9, str(bad)))
+    assert not llm.engine.has_unfinished()
+    assert 0.0 <= llm.decide("x", {"toxic": QUESTIONS["toxic"]}).answers["toxic"]["noul"] <= 1.0

@@ -305,6 +305,10 @@ def test_runtime_adapters_stay_inside_the_root(server, assets):
     assert bad.status_code == 500 and bad.json()["error"]["code"] == "row_failed"
     assert str(lora_root) not in bad.text
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
+    # A decision read through it fails the same way: the engine's failure, not a bad request.
+    r = _post(server, "/v1/decisions", {"model": "big", "state": "yes", "questions": {
+        "q": {"type": "noul", "criteria": "Is it yes?"}}})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "row_failed", r.text
 
 
 def _metric(url: str, name: str) -> float:

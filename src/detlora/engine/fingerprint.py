@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 # The code that computes: its behaviour, not its prose, goes into the fingerprint.
-_SOURCE_DIRS = ("ops", "layers", "models", "lora", "engine", "distributed")
+_SOURCE_DIRS = ("ops", "layers", "models", "lora", "engine", "distributed", "decisions")
 _SOURCE_FILES = ("config.py",)
 _ROOT = Path(__file__).resolve().parents[1]
 

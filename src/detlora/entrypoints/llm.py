@@ -226,6 +226,9 @@ class LLM:
         outs = self._run(seqs, use_tqdm=False)
         answers = {}
         for r, out in zip(reads, outs, strict=True):
+            if out.outputs[0].finish_reason == "error":  # non-finite logits, a bad adapter
+                raise RuntimeError(f"question {r.question.id!r} could not be read: "
+                                   f"{out.outputs[0].error}")
             assert out.label_logprobs is not None
             answers[r.question.id] = answer(r, out.label_logprobs)
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reads)

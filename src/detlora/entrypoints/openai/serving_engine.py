@@ -267,8 +267,8 @@ class OpenAIServing:
         return int(time.time())
 
 
-ROW_FAILED = ("the engine stopped this request: its logits were not usable (finish_reason "
-              "'error'); other requests were not affected")
+ROW_FAILED = ("the engine stopped this request (finish_reason 'error': its logits were not "
+              "finite, or its adapter could not be loaded); other requests were not affected")
 
 
 def raise_if_failed(out: RequestOutput) -> None:
