@@ -10,8 +10,9 @@ traffic     Qwen3-0.6B shape (Llama layout, random bf16 weights), 1,000 adapters
             defaults otherwise (256 sequences, 8192 tokens a step). output tok/s = 512 x 32 /
             the wall time of one generate call (adapter reads and copies included), vs_single
             = that over the same requests all on one adapter; each row adds the engine's
-            adapter counters for the call and its steps. One engine per max_loras runs, in
-            order: single, working set, Zipf, uniform (its host cache stays warm between calls).
+            adapter counters for the call and its steps. One engine per max_loras runs an
+            untimed single-adapter call first, then in order: single, working set, Zipf,
+            uniform (its host cache stays warm between calls).
 slot_cost   Llama-3.1-8B and Llama-3.2-3B shapes (random bf16 weights, tied embeddings), one
             rank-16 adapter on all seven projections in use, max_loras 1, 8, 32, 64
             (batch_invariant; run_to_run at 1 and 64 for the 8B), batch 1 and 64, 32-token
@@ -242,9 +243,10 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
         log(f"traffic max_loras {ml}: engine up and {len(adapters)} adapters registered in "
             f"{time.perf_counter() - t0:.1f} s")
         eng = llm.engine
-        warm = list(range(min(16, plan.requests)))  # kernels and graphs, one adapter
-        llm.generate([prompts[k] for k in warm], params, [adapters[0]] * len(warm),
-                     use_tqdm=False)
+        # Warm-up: the single-adapter call itself, so that every step shape it compiles is
+        # compiled before any timed call (16 requests left the first engine's timed single
+        # call 6.5x slower than the second engine's on the H200, inflating vs_single).
+        llm.generate(prompts, params, [adapters[0]] * len(prompts), use_tqdm=False)
         single_tps = None
         for dist, (drawn, picks) in _distributions(plan, ml).items():
             loras = [adapters[k] for k in picks]
