@@ -52,3 +52,20 @@ def test_four_kb_of_corrupt_bytes_in_the_data_region(ckpt):
     with pytest.raises(ValueError, match=r"weight '.*' in model\.safetensors holds 1024 "
                                          r"non-finite values"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_sees_one_bad_value_anywhere(dtype):
+    """The one-reduction check (aminmax) agrees with isfinite for NaN, +inf and -inf at the
+    first, a middle and the last element, and for all-NaN, one-element and empty tensors."""
+    from detlora.models.finite_weights import all_finite
+
+    t = torch.randn(33, 65, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(t) and all_finite(t[:, :0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 1000, t.numel() - 1):
+            x = t.clone()
+            x.view(-1)[index] = bad
+            assert not all_finite(x) and not bool(torch.isfinite(x).all())
+        assert not all_finite(torch.full((3,), bad, dtype=dtype))
+        assert not all_finite(torch.tensor([bad], dtype=dtype))
