@@ -102,6 +102,29 @@ def test_spec_fields(qwen3):
         ModelSpec.from_config(cfg | {"eos_token_id": "</s>"})
 
 
+def test_spec_dtype_as_transformers_reads_either_spelling():
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "max_position_embeddings": 8}
+
+    def dtype(**fields):
+        return ModelSpec.from_config(cfg | fields).dtype
+
+    assert dtype() is torch.float32  # none named
+    assert dtype(torch_dtype="bfloat16") is torch.bfloat16  # transformers 4.x
+    assert dtype(dtype="float16") is torch.float16  # 5.x
+    assert dtype(dtype="float16", torch_dtype="bfloat16") is torch.float16
+    assert dtype(dtype=None, torch_dtype="bfloat16") is torch.bfloat16
+    for fields in ({"dtype": "int8"}, {"torch_dtype": "int8"}, {"dtype": "float16",
+                                                                "torch_dtype": "int8"}):
+        with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+            dtype(**fields)
+    # What the checks here let through and transformers' own validation refuses.
+    with pytest.raises(ValueError, match=r"^config\.json: transformers cannot read it \(.*"
+                                         r"use_cache"):
+        dtype(use_cache="no")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_hf_free_writers_load_in_transformers(tmp_path, arch):
     """tests/gpu's fallback checkpoints are real HF/PEFT checkpoints: HF + PEFT load them and

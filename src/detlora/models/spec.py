@@ -1,10 +1,12 @@
 """What a model is, read from a Hugging Face ``config.json`` and checked field by field.
 
-Reads both spellings transformers has used: ``rope_theta`` + ``rope_scaling`` (4.x) and
-``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x). Every number is checked
-finite and in range, and checkpoint features the engine does not implement (quantized
-weights, soft-capping, partial rotary, sliding windows) are refused by name: loading them
-as if they were plain weights would run garbage.
+Every field is checked on the raw JSON: numbers finite and in range, and checkpoint features
+the engine does not implement (quantized weights, soft-capping, partial rotary, sliding
+windows) refused by name: loading them as if they were plain weights would run garbage.
+Then transformers' config class for the architecture reads the same JSON, and the dtype is
+taken as it normalises it (``torch_dtype`` in 4.x, ``dtype`` in 5.x). The rotary fields, in
+either spelling (``rope_theta`` + ``rope_scaling`` in 4.x, ``rope_parameters`` in 5.x), are
+read by hand: see ``_ROPE_KEYS``.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class ModelSpec:
             qk_norm=arch in _QK_NORM,
             bos_token_id=next(iter(_token_ids(cfg, "bos_token_id", source)), None),
             eos_token_id=_token_ids(cfg, "eos_token_id", source),
-            dtype=_dtype(cfg, source),
+            # Last: transformers reads the config once every check above has passed.
+            dtype=_dtype(cfg, arch, source),
         )
 
 
@@ -264,9 +267,34 @@ def _token_ids(cfg: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]
     return tuple(values)
 
 
-def _dtype(cfg: Mapping[str, Any], source: str) -> torch.dtype:
-    name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"{source}: dtype {name!r} is not supported "
-                         f"(supported: {', '.join(_DTYPES)})")
-    return _DTYPES[name]
+# Left out of what transformers reads, and read by _rope: transformers 5.x refuses llama3
+# scaling without low/high_freq_factor (defaulted here) and fills in a missing
+# original_max_position_embeddings (refused here).
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+
+
+def _transformers_config(cfg: Mapping[str, Any], arch: str, source: str) -> Any:
+    """``cfg`` read by transformers' config class for ``arch``, as
+    ``AutoConfig.from_pretrained`` reads a config.json, less the rotary fields: the class
+    is picked by the architecture (config.json may omit model_type), so nothing is fetched
+    and no remote code runs."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in cfg.items() if k not in _ROPE_KEYS and k != "model_type"}
+    try:
+        return AutoConfig.for_model(SUPPORTED_ARCHITECTURES[arch], **fields)
+    except Exception as e:  # its own validation, of what the checks here let through
+        raise ValueError(f"{source}: transformers cannot read it ({type(e).__name__}: "
+                         f"{e})") from e
+
+
+def _dtype(cfg: Mapping[str, Any], arch: str, source: str) -> torch.dtype:
+    """The checkpoint's dtype as transformers reads it (``dtype``, else ``torch_dtype``;
+    float32 when config.json names none)."""
+    for key in ("dtype", "torch_dtype"):  # refused by name (transformers would raise on some)
+        name = cfg.get(key)
+        if name is not None and (not isinstance(name, str) or name not in _DTYPES):
+            raise ValueError(f"{source}: dtype {name!r} is not supported "
+                             f"(supported: {', '.join(_DTYPES)})")
+    dtype = _transformers_config(cfg, arch, source).dtype
+    return torch.float32 if dtype is None else dtype
