@@ -431,13 +431,16 @@ def _print_table(results: list[CheckResult], levels: Sequence[str],
     checks = list(dict.fromkeys(r.check for r in results))
     rows = []
     for check in checks:
+        found = [next(x for x in results if x.check == check and x.level == lv) for lv in levels]
+        # A note all levels share (preemptions, cached tokens) goes with the check's name.
+        shared = len({r.note for r in found}) == 1
         cells = []
-        for lv in levels:
-            r = next(x for x in results if x.check == check and x.level == lv)
+        for r in found:
             cell = "identical" if r.differing == 0 else \
                 f"DIFFERS {r.differing}/{r.comparisons} ({r.differing_tokens} in tokens)"
-            cells.append(f"{cell} ({r.note})" if r.note else cell)
-        rows.append([check, *cells])
+            cells.append(f"{cell} ({r.note})" if r.note and not shared else cell)
+        label = f"{check} ({found[0].note})" if shared and found[0].note else check
+        rows.append([label, *cells])
     header = ["check", *levels]
     widths = [max(len(row[c]) for row in [header, *rows]) + 2 for c in range(len(header))]
     log("")
