@@ -186,6 +186,21 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from detlora.study.plan import SECTIONS, StudyPlan
     from detlora.study.run import render_study, run_study
 
+    if args.merge is not None:
+        if args.model or args.render is not None:
+            print("detlora study: --merge takes no MODEL and no --render (it reads each "
+                  "study.json)", file=sys.stderr)
+            return 2
+        from detlora.study.merge import merge_studies
+
+        try:
+            result = merge_studies(args.merge, out=args.out, argv=args.argv)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"detlora study: {e}", file=sys.stderr)
+            return 2
+        print(f"detlora study: merged {len(args.merge)} studies into {args.out}/study.json, "
+              f"study.md and figures ({', '.join(result.meta['model'])})")
+        return 0
     if args.render is not None:
         if args.model:
             print("detlora study: --render takes no MODEL (it reads DIR/study.json)",
@@ -335,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-progress", action="store_true", help="no progress bar")
     st.add_argument("--render", metavar="DIR",
                     help="run nothing: write study.md and the figures again from DIR/study.json")
+    st.add_argument("--merge", nargs="+", metavar="DIR_OR_JSON",
+                    help="run nothing: merge the study.json of separate runs (same machine "
+                         "kind, versions and plan; a model in several only with disjoint "
+                         "--sections) into --out DIR, with study.md and figures")
     EngineArgs.add_cli_args(st, exclude=_STUDY_SETS)
     st.set_defaults(func=_cmd_study)
     return parser

@@ -72,12 +72,21 @@ def render(data: dict, figures: Sequence[str]) -> str:
     meta = data["meta"]
     lines = ["# detlora study: reproducibility of LoRA inference", ""]
     where = meta.get("gpu") or "CPU"
+    runs = meta.get("merged_from") or []
+    produced = (f"Merged from {len(runs)} runs (`detlora study --merge`)" if runs
+                else f"Produced by `{meta['command']}`")
     lines += [
-        f"Produced by `{meta['command']}` on {where} at {meta['date']} (detlora "
+        f"{produced} on {where} at {meta['date']} (detlora "
         f"{meta['detlora']}, commit {str(meta.get('commit'))[:12]}, torch {meta['torch']}, "
         f"triton {meta['triton']}{', CUDA ' + meta['cuda'] if meta.get('cuda') else ''}), in "
-        f"{meta.get('seconds', '-')} s{' (quick form)' if meta['quick'] else ''}.",
+        f"{meta.get('seconds', '-')} s{' in all' if runs else ''}"
+        f"{' (quick form)' if meta['quick'] else ''}.",
         "",
+    ]
+    if runs:
+        lines += [f"- `{r['command']}` at {r['date']}, {r.get('seconds', '-')} s" for r in runs]
+        lines += [""]
+    lines += [
         f"The paper's figures are from {paper.CITATION}, measured in vLLM on an NVIDIA RTX PRO "
         "6000 Blackwell; its Atomic Split-K=8 is detlora's `atomic`, Split-K=1 `unsplit`, "
         "Deterministic Split-K=8 `ordered`.",
@@ -89,8 +98,11 @@ def render(data: dict, figures: Sequence[str]) -> str:
         f"{meta['sandbox']}.",
         "",
     ]
-    lines += _table(["model", "adapter", "fingerprints (level/reduction: fingerprint)"], [
-        (m, meta["adapter"].get(m, "-"), "<br>".join(
+    by_model = meta.get("sections_by_model")  # a merged study: not every model has all
+    lines += _table(["model", "adapter", *(["sections"] if by_model else []),
+                     "fingerprints (level/reduction: fingerprint)"], [
+        (m, meta["adapter"].get(m, "-"),
+         *([", ".join(by_model.get(m, []))] if by_model else []), "<br>".join(
             f"{k}: `{v}`" for k, v in meta["fingerprint"].get(m, {}).items()))
         for m in meta["model"]])
     plan = meta["plan"]

@@ -18,7 +18,8 @@ writes ``study.json``, ``study.md`` and PNG figures into ``out``. ``study.json``
 Per model: the replay (kernel level), then one engine per configuration (repeat, decisions,
 performance, and for each level's default configuration the cross-batch checks that run in
 it), the cross-batch variant engines per level, and the trace. A section that fails is
-recorded in ``meta.errors`` and the study goes on.
+recorded in ``meta.errors`` and the study goes on. Runs of separate models or sections merge
+into one study with ``detlora study --merge`` (``detlora.study.merge``).
 """
 
 from __future__ import annotations
@@ -266,12 +267,11 @@ def run_study(
     return result
 
 
-def render_study(out: str | Path) -> StudyResult:
-    """Write study.md and the figures again from ``out``/study.json (say, on a machine with
-    matplotlib, after a GPU run on one without)."""
-    from detlora.study.report import write_report
-
-    path = Path(out) / "study.json"
+def load_study(where: str | Path) -> StudyResult:
+    """The study a study.json holds: ``where`` is the file, or a directory holding it."""
+    path = Path(where)
+    if path.is_dir():
+        path = path / "study.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     try:
@@ -281,7 +281,15 @@ def render_study(out: str | Path) -> StudyResult:
     fields = [f.name for f in dataclasses.fields(StudyResult)]
     if not isinstance(data, dict) or set(data) != set(fields):
         raise ValueError(f"{path} is not a study result (keys {fields})")
-    result = StudyResult(**data)
+    return StudyResult(**data)
+
+
+def render_study(out: str | Path) -> StudyResult:
+    """Write study.md and the figures again from ``out``/study.json (say, on a machine with
+    matplotlib, after a GPU run on one without)."""
+    from detlora.study.report import write_report
+
+    result = load_study(Path(out) / "study.json")
     write_report(result, Path(out))
     return result
 
@@ -513,7 +521,8 @@ def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan,
     llm = build(atomic, "eager")
     entry: dict[str, Any] = {"model": label, "level": atomic.level,
                              "reduction": atomic.reduction, "prompts": len(prompts),
-                             "prompts_changed_in_repeat": len(changed)}
+                             # None: the repeat section's atomic runs are not in this run
+                             "prompts_changed_in_repeat": len(changed) if atomic_runs else None}
     try:
         div, runs = trace.find_divergence(llm, prompts, loras, params,
                                           repetitions=plan.trace_runs,
