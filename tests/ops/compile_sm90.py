@@ -81,24 +81,27 @@ def main() -> None:
                                  "group_adapter_ptr", "counter_ptr")}
     for mode in range(4):
         for bm in (16, 64):
-            consts = {"MODE": mode, "SPLIT": 1 if mode == 0 else 12, "TAIL_GROUP": 3,
-                      "TREE_IN_CTA": mode in (0, 2), "BLOCK_M": bm, "BLOCK_N": 16,
-                      "BLOCK_K": 128, "EVEN_K": True}
-            k, dt = compile_kernel(lora_shrink._shrink_kernel, consts, ptrs, div16=ints)
-            print(f"shrink mode={mode} BLOCK_M={bm}: {ptx_summary(k.asm['ptx'])} ({dt:.1f}s)")
+            for cap in (0, 8):  # GROUP_CAP: one program per adapter group, or 8 that loop
+                consts = {"MODE": mode, "SPLIT": 1 if mode == 0 else 12, "TAIL_GROUP": 3,
+                          "TREE_IN_CTA": mode in (0, 2), "BLOCK_M": bm, "BLOCK_N": 16,
+                          "BLOCK_K": 128, "EVEN_K": True, "GROUP_CAP": cap}
+                k, dt = compile_kernel(lora_shrink._shrink_kernel, consts, ptrs, div16=ints)
+                print(f"shrink mode={mode} BLOCK_M={bm} GROUP_CAP={cap}: "
+                      f"{ptx_summary(k.asm['ptx'])} ({dt:.1f}s)")
     k, _ = compile_kernel(
         lora_shrink._tree_reduce_kernel,
         {"SPLIT_P2": 8, "LOG2_SPLIT": 3, "BLOCK_M": 16, "BLOCK_N": 64},
         {"scratch_ptr": "*fp32", "out_ptr": "*fp32", "scale_ptr": "*fp32",
          "token_adapter_ptr": "*i32"})
     print(f"tree reduce: {ptx_summary(k.asm['ptx'])}")
-    k, _ = compile_kernel(
-        lora_expand._expand_kernel,
-        {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_R": 16, "EVEN_R": True},
-        {"h_ptr": "*fp32", "rows_ptr": "*i32", "group_start_ptr": "*i32",
-         "group_size_ptr": "*i32", "group_adapter_ptr": "*i32"})
-    print(f"expand: {ptx_summary(k.asm['ptx'])}")
-
+    for cap in (0, 8):
+        k, _ = compile_kernel(
+            lora_expand._expand_kernel,
+            {"NUM_PARTS": 1, "TAIL_GROUP": 1, "PARTIALS": False, "BLOCK_M": 16, "BLOCK_N": 128,
+             "BLOCK_R": 16, "EVEN_R": True, "GROUP_CAP": cap, "PDL": True},
+            {"h_ptr": "*fp32", "scale_ptr": "*fp32", "rows_ptr": "*i32",
+             "group_start_ptr": "*i32", "group_size_ptr": "*i32", "group_adapter_ptr": "*i32"})
+        print(f"expand GROUP_CAP={cap}: {ptx_summary(k.asm['ptx'])}")
 
 if __name__ == "__main__":
     main()

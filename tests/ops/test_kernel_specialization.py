@@ -10,7 +10,15 @@ hit compiled one until fff7c66).
 import pytest
 import torch
 
-from detlora.ops import lora_shrink, matmul, rms_norm, softmax
+from detlora.ops import (
+    lora_expand,
+    lora_expand_rotary_write_kv,
+    lora_expand_silu_and_mul,
+    lora_shrink,
+    matmul,
+    rms_norm,
+    softmax,
+)
 from detlora.ops import paged_attention as pa
 from detlora.ops import paged_attention_split_kv as pas
 
@@ -29,6 +37,11 @@ BATCH_DEPENDENT = [
     (matmul._mm_split_kernel, {"M", "num_groups"}, {"group_adapter_ptr", "group_size_ptr"}),
     (matmul._mm_persistent_kernel, {"M"}, set()),
     (lora_shrink._tree_reduce_kernel, {"M", "stride_ps"}, set()),
+    # min(M, slots + 1) adapter groups: read only by a group cap's loop
+    (lora_shrink._shrink_kernel, {"num_groups"}, set()),
+    (lora_expand._expand_kernel, {"num_groups"}, set()),
+    (lora_expand_silu_and_mul._expand_silu_and_mul_kernel, {"num_groups"}, set()),
+    (lora_expand_rotary_write_kv._expand_rotary_write_kv_kernel, {"num_groups"}, set()),
 ]
 
 

@@ -12,6 +12,12 @@ Semantics:
     programs along their group axis, which always covers every non-empty group. Building the
     groups needs no host synchronisation (unless ``validate=True``), so it can run once per
     engine step and serve every layer, and it can be captured in a CUDA graph.
+
+    With a group cap (``group_programs``), a kernel launches ``min(cap, num_groups)`` programs
+    along that axis instead and program z takes groups z, z + cap, z + 2 cap, ... up to the
+    first group without rows (all later ones are empty too): the launch no longer grows with
+    the adapter slots when few of them are in use, and every group is still taken by exactly
+    one program.
 """
 
 from __future__ import annotations
@@ -84,6 +90,16 @@ def group_tokens(
         group_adapter=(order - 1).to(torch.int32).contiguous(),
         num_adapters=num_adapters,
     )
+
+
+def group_programs(num_groups: int, group_cap: int | None) -> tuple[int, int]:
+    """(programs along a kernel's group axis, its ``GROUP_CAP`` constexpr): one program per
+    group and 0 (no loop) without a cap; else at most ``group_cap`` programs that loop."""
+    if group_cap is None:
+        return num_groups, 0
+    if isinstance(group_cap, bool) or not isinstance(group_cap, int) or group_cap < 1:
+        raise ValueError(f"group_cap must be None or a positive int, got {group_cap!r}")
+    return min(group_cap, num_groups), group_cap
 
 
 def group_tokens_host(

@@ -15,7 +15,7 @@ rest summed by the last CTA, one CTA per group, or one CTA for everything. So:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
@@ -34,7 +34,8 @@ class ShrinkConfig:
     """How one shrink call is tiled and which reduction tree it computes.
 
     ``split_k`` counts K chunks; ``group_chunks`` chunks make a group; ``cta_covers`` says
-    what one CTA along K reduces: a chunk, a group, or all of K.
+    what one CTA along K reduces: a chunk, a group, or all of K. ``group_cap``: see
+    ``ExpandConfig``.
     """
 
     split_k: int
@@ -45,6 +46,7 @@ class ShrinkConfig:
     num_stages: int = 2
     group_chunks: int = 1
     cta_covers: str = "chunk"
+    group_cap: int | None = None
 
     def chunk_size(self, hidden: int) -> int:
         """Hidden elements per K chunk: a multiple of block_k."""
@@ -65,11 +67,21 @@ class ShrinkConfig:
 
 @dataclass(frozen=True)
 class ExpandConfig:
+    """How one expand call (or a fused expand) is tiled.
+
+    ``group_cap``: None launches one program per adapter group along the grid's group axis
+    (``min(M, slots + 1)`` of them, most empty when few adapters are in use); an int launches
+    at most that many, each looping over groups z, z + cap, ... until the first group without
+    rows (``adapter_groups.group_programs``). Every row tile is computed as before: the cap
+    changes which program computes it, never its bits.
+    """
+
     block_m: int
     block_n: int
     block_r: int  # rank step; fixed per rank so rows never depend on the row count
     num_warps: int = 4
     num_stages: int = 2
+    group_cap: int | None = None
 
 
 def _block_n(n: int, cap: int = 128) -> int:
@@ -121,8 +133,7 @@ def _trim_split(cfg: ShrinkConfig, hidden: int) -> ShrinkConfig:
     real = cfg.num_chunks(hidden)
     if real == cfg.split_k:
         return cfg
-    return ShrinkConfig(real, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-                        cfg.num_stages, cfg.group_chunks, cfg.cta_covers)
+    return replace(cfg, split_k=real)
 
 
 # The ordered shrink's tilings (configs/lora_shrink.json), by the largest row count each serves:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from detlora.ops._runtime import cdiv
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens
+from detlora.ops.adapter_groups import AdapterGroups, group_programs, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig, expand_config
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
@@ -124,6 +124,41 @@ def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, strid
 
 
 @triton.jit
+def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+                 group, group_rows, tile_m, tile_n, slice_id, col_lo, width, R,
+                 stride_ym, stride_yn, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl,
+                 stride_bn, NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr,
+                 PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
+    """One output tile: row tile ``tile_m`` of ``group``, column tile ``tile_n`` of a slice."""
+    if (tile_m * BLOCK_M >= group_rows) | (tile_n * BLOCK_N >= width):
+        return
+    adapter = tl.load(group_adapter_ptr + group)
+    if adapter < 0:
+        return
+    rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < width
+    cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
+
+    acc = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
+                      stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
+                      TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
+    ok = m_ok[:, None] & n_ok[None, :]
+    y_old = tl.load(y_ptrs, mask=ok, other=0.0)
+    update = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def next_group(group_size_ptr, group, num_groups, GROUP_CAP: tl.constexpr):
+    """(the next group a capped program takes, its rows): 0 rows past the last group."""
+    group += GROUP_CAP
+    return group, tl.load(group_size_ptr + group, mask=group < num_groups, other=0)
+
+
+@triton.jit(do_not_specialize=["num_groups"])
 def _expand_kernel(
     y_ptr,
     h_ptr,
@@ -133,6 +168,7 @@ def _expand_kernel(
     group_start_ptr,
     group_size_ptr,
     group_adapter_ptr,
+    num_groups,
     R,
     off1,
     off2,
@@ -152,10 +188,12 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    GROUP_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x n tiles of the widest slice, slices, groups).
+    # Grid: (m tiles x n tiles of the widest slice, slices, groups: all of them, or at most
+    # GROUP_CAP programs that each loop over groups z, z + GROUP_CAP, ... while they have rows).
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
     group = tl.program_id(2)
@@ -167,24 +205,20 @@ def _expand_kernel(
     tile_n = pid % n_tiles
     tile_m = pid // n_tiles
     group_rows = tl.load(group_size_ptr + group)
-    if (tile_m * BLOCK_M >= group_rows) | (tile_n * BLOCK_N >= width):
-        return
-    adapter = tl.load(group_adapter_ptr + group)
-    if adapter < 0:
-        return
-    rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < width
-    cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
-
-    acc = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
-                      stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
-                      TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
-    ok = m_ok[:, None] & n_ok[None, :]
-    y_old = tl.load(y_ptrs, mask=ok, other=0.0)
-    update = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
+    if GROUP_CAP == 0:
+        _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                     group_adapter_ptr, group, group_rows, tile_m, tile_n, slice_id, col_lo,
+                     width, R, stride_ym, stride_yn, stride_hp, stride_ha, stride_hs,
+                     stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
+                     BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+    else:
+        while group_rows > 0:
+            _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                         group_adapter_ptr, group, group_rows, tile_m, tile_n, slice_id,
+                         col_lo, width, R, stride_ym, stride_yn, stride_hp, stride_ha,
+                         stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP,
+                         PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
 @dataclass(frozen=True)
@@ -274,16 +308,17 @@ def lora_expand(
     cfg = tile_config(config, m, e.rank, max(widths))
     padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
     g = e.groups
-    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), g.num_groups)
+    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
+    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), programs)
     _expand_kernel[grid](
         y, e.h, lora_b, e.scale,
-        g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
         e.rank, padded[1], padded[2], padded[3],
         y.stride(0), y.stride(1), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0,
+        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return y
@@ -294,6 +329,7 @@ def tile_config(config: ExpandConfig | None, m: int, rank: int, width: int) -> E
     cfg = config or expand_config(m, rank, width)
     if not isinstance(cfg, ExpandConfig):
         raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
+    group_programs(1, cfg.group_cap)  # checks the cap
     return cfg
 
 
@@ -336,4 +372,4 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
 
 
 __all__ = ["ExpandArgs", "expand_args", "group_tile_rows", "lora_expand", "lora_expand_ref",
-           "lora_update", "tile_config"]
+           "lora_update", "next_group", "tile_config"]

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
-from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.adapter_groups import AdapterGroups, group_programs
 from detlora.ops.checks import check_same_device
 from detlora.ops.lora_configs import ExpandConfig
 from detlora.ops.lora_expand import (
@@ -43,6 +43,7 @@ from detlora.ops.lora_expand import (
     group_tile_rows,
     lora_expand_ref,
     lora_update,
+    next_group,
     tile_config,
 )
 from detlora.ops.lora_partials import ShrinkPartials
@@ -109,10 +110,10 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
 
 
 @triton.jit
-def _expand_rotary_write_kv_kernel(
-    y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_size_ptr,
-    group_adapter_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr,
-    slot_ptr, num_slots, R, num_q_heads, num_kv_heads,
+def _rotary_write_kv_tile(
+    y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr, q_out_ptr,
+    k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr, num_slots, R,
+    num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
     stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
     stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
     stride_vch, stride_cs,
@@ -120,17 +121,8 @@ def _expand_rotary_write_kv_kernel(
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x (Hq + 2 Hk) heads: q, then k, then v, groups). y's columns hold the
-    # heads in that order, so head j starts at column j * HEAD_DIM.
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    n_heads = num_q_heads + 2 * num_kv_heads
-    head = pid % n_heads
-    tile_m = pid // n_heads
-    group_rows = tl.load(group_size_ptr + group)
+    """One head for row tile ``tile_m`` of ``group``."""
     if tile_m * BLOCK_M >= group_rows:
         return
     adapter = tl.load(group_adapter_ptr + group)
@@ -168,6 +160,52 @@ def _expand_rotary_write_kv_kernel(
                 + (head - num_q_heads - num_kv_heads) * stride_vch + d[None, :]
             tl.store(vc, x1.to(v_cache_ptr.dtype.element_ty), mask=keep)
             tl.store(vc + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def _expand_rotary_write_kv_kernel(
+    y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_size_ptr,
+    group_adapter_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr,
+    slot_ptr, num_groups, num_slots, R, num_q_heads, num_kv_heads,
+    stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+    stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+    stride_vch, stride_cs,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr, GROUP_CAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
+    # Grid: (m tiles x (Hq + 2 Hk) heads: q, then k, then v, groups: all, or GROUP_CAP
+    # programs that loop over them as the expand's do). y's columns hold the heads in that
+    # order, so head j starts at column j * HEAD_DIM.
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    n_heads = num_q_heads + 2 * num_kv_heads
+    head = pid % n_heads
+    tile_m = pid // n_heads
+    group_rows = tl.load(group_size_ptr + group)
+    if GROUP_CAP == 0:
+        _rotary_write_kv_tile(
+            y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+            q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+            num_slots, R, num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
+            stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+            stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
+            stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS, TAIL_GROUP, PARTIALS,
+            BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+    else:
+        while group_rows > 0:
+            _rotary_write_kv_tile(
+                y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+                q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+                num_slots, R, num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
+                stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb,
+                stride_vcs, stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS,
+                TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
 def lora_expand_rotary_write_kv(
@@ -212,10 +250,12 @@ def lora_expand_rotary_write_kv(
     cfg = tile_config(config, m, e.rank, max(e.widths))
     g = e.groups
     num_blocks, page = k_cache.shape[:2]
-    grid = (cdiv(m, cfg.block_m) * (hq + 2 * hk), g.num_groups)
+    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
+    grid = (cdiv(m, cfg.block_m) * (hq + 2 * hk), programs)
     _expand_rotary_write_kv_kernel[grid](
         y, e.h, lora_b, e.scale, g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
-        q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, num_blocks * page, e.rank,
+        q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, g.num_groups,
+        num_blocks * page, e.rank,
         hq, hk, y.stride(0), *e.h_strides, lora_b.stride(0), lora_b.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -223,7 +263,8 @@ def lora_expand_rotary_write_kv(
         PAGE=page, HEAD_DIM=head_dim, HALF=head_dim // 2,
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **pdl_kwargs(y),
     )
     return q_out

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from detlora.ops._runtime import cdiv
-from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.adapter_groups import AdapterGroups, group_programs
 from detlora.ops.checks import check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig
 from detlora.ops.lora_expand import (
@@ -34,6 +34,7 @@ from detlora.ops.lora_expand import (
     group_tile_rows,
     lora_expand_ref,
     lora_update,
+    next_group,
     tile_config,
 )
 from detlora.ops.lora_partials import ShrinkPartials
@@ -54,44 +55,14 @@ def lora_expand_silu_and_mul_ref(
 
 
 @triton.jit
-def _expand_silu_and_mul_kernel(
-    y_ptr,
-    out_ptr,
-    h_ptr,
-    b_ptr,
-    scale_ptr,
-    rows_ptr,
-    group_start_ptr,
-    group_size_ptr,
-    group_adapter_ptr,
-    R,
-    inter,
-    stride_ym,
-    stride_yn,
-    stride_om,
-    stride_hp,
-    stride_ha,
-    stride_hs,
-    stride_hm,
-    stride_bl,
-    stride_bn,
-    NUM_PARTS: tl.constexpr,
-    TAIL_GROUP: tl.constexpr,
-    PARTIALS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x n tiles of I, groups).
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    n_tiles = tl.cdiv(inter, BLOCK_N)
-    tile_n = pid % n_tiles
-    tile_m = pid // n_tiles
-    group_rows = tl.load(group_size_ptr + group)
+def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                       group_adapter_ptr, group, group_rows, tile_m, tile_n, R, inter,
+                       stride_ym, stride_yn, stride_om, stride_hp, stride_ha, stride_hs,
+                       stride_hm, stride_bl, stride_bn, NUM_PARTS: tl.constexpr,
+                       TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                       EVEN_R: tl.constexpr):
+    """One output tile: row tile ``tile_m`` of ``group``, column tile ``tile_n`` of I."""
     if tile_m * BLOCK_M >= group_rows:
         return
     adapter = tl.load(group_adapter_ptr + group)
@@ -122,6 +93,65 @@ def _expand_silu_and_mul_kernel(
         out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=["num_groups"])
+def _expand_silu_and_mul_kernel(
+    y_ptr,
+    out_ptr,
+    h_ptr,
+    b_ptr,
+    scale_ptr,
+    rows_ptr,
+    group_start_ptr,
+    group_size_ptr,
+    group_adapter_ptr,
+    num_groups,
+    R,
+    inter,
+    stride_ym,
+    stride_yn,
+    stride_om,
+    stride_hp,
+    stride_ha,
+    stride_hs,
+    stride_hm,
+    stride_bl,
+    stride_bn,
+    NUM_PARTS: tl.constexpr,
+    TAIL_GROUP: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    GROUP_CAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)  # ops/pdl.py: before any read or store
+    # Grid: (m tiles x n tiles of I, groups: all, or GROUP_CAP programs that loop over them as
+    # the expand's do).
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    tile_n = pid % n_tiles
+    tile_m = pid // n_tiles
+    group_rows = tl.load(group_size_ptr + group)
+    if GROUP_CAP == 0:
+        _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                           group_adapter_ptr, group, group_rows, tile_m, tile_n, R, inter,
+                           stride_ym, stride_yn, stride_om, stride_hp, stride_ha, stride_hs,
+                           stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
+                           BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+    else:
+        while group_rows > 0:
+            _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr,
+                               group_start_ptr, group_adapter_ptr, group, group_rows, tile_m,
+                               tile_n, R, inter, stride_ym, stride_yn, stride_om, stride_hp,
+                               stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                               NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R,
+                               EVEN_R)
+            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
+
+
 def lora_expand_silu_and_mul(
     y: torch.Tensor,
     shrink_out: torch.Tensor | ShrinkPartials,
@@ -149,15 +179,16 @@ def lora_expand_silu_and_mul(
         return out
     cfg = tile_config(config, m, e.rank, inter)
     g = e.groups
-    grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), g.num_groups)
+    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
+    grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), programs)
     _expand_silu_and_mul_kernel[grid](
         y, out, e.h, lora_b, e.scale,
-        g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
         e.rank, inter, y.stride(0), y.stride(1), out.stride(0), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0,
+        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return out

@@ -44,9 +44,10 @@ import triton.language as tl
 
 from detlora.config import LoRAReduction
 from detlora.ops._runtime import cdiv, next_power_of_2
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens
+from detlora.ops.adapter_groups import AdapterGroups, group_programs, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import CTA_COVERS, ShrinkConfig, shrink_config
+from detlora.ops.lora_expand import next_group
 from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace, default_workspace
 
@@ -160,51 +161,16 @@ def _tree_sum(
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr,
-    a_ptr,
-    out_ptr,
-    scale_ptr,
-    rows_ptr,
-    group_start_ptr,
-    group_size_ptr,
-    group_adapter_ptr,
-    scratch_ptr,
-    counter_ptr,
-    H,
-    R,
-    N,
-    blocks_per_chunk,
-    blocks_per_group,
-    blocks_per_cta,
-    stride_xm,
-    stride_al,
-    stride_as,
-    stride_ar,
-    stride_os,
-    stride_om,
-    stride_or,
-    stride_ps,
-    MODE: tl.constexpr,
-    SPLIT: tl.constexpr,
-    TAIL_GROUP: tl.constexpr,
-    TREE_IN_CTA: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+def _shrink_tile(
+    x_ptr, a_ptr, out_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+    scratch_ptr, counter_ptr, group, group_rows, split, tile_m, tile_n, n_tiles,
+    H, R, N, blocks_per_chunk, blocks_per_group, blocks_per_cta,
+    stride_xm, stride_al, stride_as, stride_ar, stride_os, stride_om, stride_or, stride_ps,
+    MODE: tl.constexpr, SPLIT: tl.constexpr, TAIL_GROUP: tl.constexpr,
+    TREE_IN_CTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # Grid: (m tiles x n tiles x splits, groups). Split is the fastest axis so the CTAs of
-    # one tile are scheduled together and the last one finds its partners' partials in L2.
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    split = pid % SPLIT
-    tile = pid // SPLIT
-    tile_n = tile % n_tiles
-    tile_m = tile // n_tiles
-
-    group_rows = tl.load(group_size_ptr + group)
+    """Split ``split`` of output tile (``tile_m`` of ``group``, ``tile_n``)."""
     if tile_m * BLOCK_M >= group_rows:
         return
     row_start = tl.load(group_start_ptr + group)
@@ -279,6 +245,73 @@ def _shrink_kernel(
                         group_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 tl.store(out_ptrs, total * scale, mask=out_ok)
                 tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def _shrink_kernel(
+    x_ptr,
+    a_ptr,
+    out_ptr,
+    scale_ptr,
+    rows_ptr,
+    group_start_ptr,
+    group_size_ptr,
+    group_adapter_ptr,
+    scratch_ptr,
+    counter_ptr,
+    num_groups,
+    H,
+    R,
+    N,
+    blocks_per_chunk,
+    blocks_per_group,
+    blocks_per_cta,
+    stride_xm,
+    stride_al,
+    stride_as,
+    stride_ar,
+    stride_os,
+    stride_om,
+    stride_or,
+    stride_ps,
+    MODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TAIL_GROUP: tl.constexpr,
+    TREE_IN_CTA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GROUP_CAP: tl.constexpr,
+):
+    # Grid: (m tiles x n tiles x splits, groups: all, or GROUP_CAP programs that each loop
+    # over groups z, z + GROUP_CAP, ... while they have rows). Split is the fastest axis so
+    # the CTAs of one tile are scheduled together and the last one finds its partners'
+    # partials in L2.
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    split = pid % SPLIT
+    tile = pid // SPLIT
+    tile_n = tile % n_tiles
+    tile_m = tile // n_tiles
+    group_rows = tl.load(group_size_ptr + group)
+    if GROUP_CAP == 0:
+        _shrink_tile(x_ptr, a_ptr, out_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                     group_adapter_ptr, scratch_ptr, counter_ptr, group, group_rows, split,
+                     tile_m, tile_n, n_tiles, H, R, N, blocks_per_chunk, blocks_per_group,
+                     blocks_per_cta, stride_xm, stride_al, stride_as, stride_ar, stride_os,
+                     stride_om, stride_or, stride_ps, MODE, SPLIT, TAIL_GROUP, TREE_IN_CTA,
+                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    else:
+        while group_rows > 0:
+            _shrink_tile(x_ptr, a_ptr, out_ptr, scale_ptr, rows_ptr, group_start_ptr,
+                         group_adapter_ptr, scratch_ptr, counter_ptr, group, group_rows, split,
+                         tile_m, tile_n, n_tiles, H, R, N, blocks_per_chunk, blocks_per_group,
+                         blocks_per_cta, stride_xm, stride_al, stride_as, stride_ar,
+                         stride_os, stride_om, stride_or, stride_ps, MODE, SPLIT, TAIL_GROUP,
+                         TREE_IN_CTA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
 @triton.jit(do_not_specialize=["M", "stride_ps"])  # rows change with the batch
@@ -471,11 +504,12 @@ def lora_shrink(
     counters = (
         workspace.counters(groups.num_groups * m_tiles * n_tiles) if mode == _ORDERED else out
     )
-    grid = (m_tiles * n_tiles * splits, groups.num_groups)
+    programs, group_cap = group_programs(groups.num_groups, cfg.group_cap)
+    grid = (m_tiles * n_tiles * splits, programs)
     _shrink_kernel[grid](
         x, lora_a, out, scale_t,
         groups.sorted_rows, groups.group_start, groups.group_size, groups.group_adapter,
-        scratch, counters,
+        scratch, counters, groups.num_groups,
         hidden, rank, n, plan.blocks_per_chunk, plan.blocks_per_group, plan.blocks_per_cta,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -486,6 +520,7 @@ def lora_shrink(
         TREE_IN_CTA=plan.tree_in_cta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=hidden % cfg.block_k == 0,
+        GROUP_CAP=group_cap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if mode == _PARTIALS:
@@ -520,6 +555,7 @@ def _check_config(cfg: ShrinkConfig, reduction: LoRAReduction) -> None:
         raise ValueError(f"config.split_k must be >= 1, got {cfg.split_k}")
     if cfg.group_chunks < 1:
         raise ValueError(f"config.group_chunks must be >= 1, got {cfg.group_chunks}")
+    group_programs(1, cfg.group_cap)  # checks the cap
     if cfg.cta_covers not in CTA_COVERS:
         raise ValueError(f"config.cta_covers must be one of {CTA_COVERS}, got {cfg.cta_covers!r}")
     plain = cfg.group_chunks == 1 and cfg.cta_covers == "chunk"
