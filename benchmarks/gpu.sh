@@ -25,11 +25,11 @@
 #                     `detlora study --render out/study` draws them from study.json)
 #                     | tensor-parallel (2+ GPUs: TP 1 against 2)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
-#                     cublas-kernels first-cache-hit fused-lora-norm fused-qkv l2-read
-#                     matmul-bounds matmul-regions matmul-split-counts matmul-two-part
-#                     matmul-two-part-rule matmul-unsplit-tiles pdl-decode penalized-profile
-#                     prefill-host rms-persistent run-ahead-cases shared-inflight-pages
-#                     vendor-gemm
+#                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
+#                     l2-read matmul-bounds matmul-regions matmul-split-counts
+#                     matmul-two-part matmul-two-part-rule matmul-unsplit-tiles pdl-decode
+#                     penalized-profile prefill-host rms-persistent run-ahead-cases
+#                     shared-inflight-pages vendor-gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -174,6 +174,7 @@ for step in "${steps[@]}"; do
     capture-gc-probe) experiment capture_gc_probe capture_gc_probe.json || status=1 ;;
     copy-reference) experiment copy_reference copy_reference.json || status=1 ;;
     cublas-kernels) experiment cublas_kernel_choice cublas_kernel_choice.json || status=1 ;;
+    expand-group-cap) experiment expand_group_cap expand_group_cap.json || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
     fused-lora-norm) experiment fused_lora_norm fused_lora_ops.json || status=1 ;;
     fused-qkv) experiment fused_qkv_rotary fused_qkv_rotary.json || status=1 ;;
