@@ -10,7 +10,7 @@ Llama-3.1-8B shapes (32 layers; q|k|v 4096|1024|1024, o 4096, gate|up 2 x 14336,
 rank 16, bf16, in_gemm partials (the batch_invariant engine's expand input: x A^T of every
 slot after the base columns), each layer its own B and y, as in a decode step. For M = 1 and
 64, max_loras 1, 8, 32, 64, rows on one adapter ("one") or spread over every slot, row i on
-slot i % max_loras ("spread"), cap None (today's grid) against 4, 8 and 16:
+slot i % max_loras ("spread"), cap None (today's grid) against 2, 4, 8 and 16:
 
 * ``step``: one graph of the 32 layers' four expands (q|k|v, o, gate|up, down: the plain
   ``lora_expand``, as the engine launches them), microseconds per step;
@@ -48,7 +48,7 @@ HIDDEN, INTER = 4096, 14336
 QKV = [0, HQ * D, (HQ + HK) * D, (HQ + 2 * HK) * D]
 # op -> column offsets of its slices
 OPS = {"qkv": QKV, "o": [0, HIDDEN], "gate_up": [0, INTER, 2 * INTER], "down": [0, HIDDEN]}
-CAPS = (None, 4, 8, 16)
+CAPS = (None, 2, 4, 8, 16)
 ROWS = (1, 64)
 MAX_LORAS = (1, 8, 32, 64)
 
