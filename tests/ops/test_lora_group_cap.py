@@ -43,6 +43,9 @@ def adapter_ids(case: str, m: int, seed: int) -> tuple[torch.Tensor, int]:
 # every cap but None).
 CASES = [("one_in_use", 5), ("one_in_use", 40), ("all_different", 9), ("all_different", 20),
          ("mixed", 5), ("mixed", 40)]
+# The slower kernels (the shrink, the fused expands) without the 20-group case: 9 groups already
+# make cap 8 loop (the plain expand keeps it; the interpreter runs each CTA in turn).
+FEWER_CASES = [c for c in CASES if c != ("all_different", 20)]
 
 
 def capped(cfg, cap):
@@ -94,7 +97,7 @@ def test_expand_of_deferred_partials_and_the_shrink_do_not_depend_on_the_cap(cas
 
 
 @pytest.mark.parametrize("reduction", ["unsplit", "ordered", "ordered_bi", "tree"])
-@pytest.mark.parametrize("case,m", CASES)
+@pytest.mark.parametrize("case,m", FEWER_CASES)
 def test_shrink_bits_do_not_depend_on_the_cap(reduction, case, m):
     ids, slots = adapter_ids(case, m, seed=m + 4)
     g = torch.Generator().manual_seed(m + 5)
@@ -115,7 +118,7 @@ def test_shrink_bits_do_not_depend_on_the_cap(reduction, case, m):
         assert ws._counters.numel() > 0 and int(ws._counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("case,m", CASES)
+@pytest.mark.parametrize("case,m", FEWER_CASES)
 def test_expand_silu_and_mul_bits_do_not_depend_on_the_cap(case, m):
     ids, slots = adapter_ids(case, m, seed=m + 6)
     y, h, b, _ = expand_operands(m, (40, 40), 16, slots, seed=m + 7)
@@ -126,7 +129,7 @@ def test_expand_silu_and_mul_bits_do_not_depend_on_the_cap(case, m):
         assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("case,m", CASES)
+@pytest.mark.parametrize("case,m", FEWER_CASES)
 def test_expand_rotary_write_kv_bits_do_not_depend_on_the_cap(case, m):
     hq, hk, d, r = 2, 1, 16, 8
     ids, slots = adapter_ids(case, m, seed=m + 8)
