@@ -14,6 +14,9 @@ from detlora.entrypoints.cli import main
 from detlora.study.merge import merge_results, merge_studies
 from detlora.study.run import load_study
 
+# One worker runs the quick studies the tests share (a module fixture), not one per worker.
+pytestmark = pytest.mark.xdist_group("study_merge")
+
 # Fields that measure time, not bits: they differ from run to run.
 TIMINGS = {"tpot_ms", "output_tok_per_s", "e2e_s", "e2e_vs_atomic", "tpot_vs_atomic"}
 QUICK = ["--quick", "--reductions", "ordered", "--no-progress"]
