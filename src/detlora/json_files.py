@@ -1,8 +1,10 @@
-"""Reading the JSON object a Hugging Face or PEFT directory must hold, with clear errors."""
+"""Reading JSON the user hands us (a Hugging Face or PEFT directory's files, JSON-lines prompt
+files), with errors that name the file and the line."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +25,18 @@ def read_json_object(directory: Path, name: str, what: str, needed_by: str) -> d
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return value
+
+
+def read_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSON-lines file; a ValueError names
+    the line that is not valid JSON or not an object whose "prompt" the caller then checks."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ValueError(f'{path}:{n}: each line must be an object with a "prompt"')
+        yield n, row

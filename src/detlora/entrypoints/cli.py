@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from detlora.json_files import read_jsonl_objects
+
 
 def _prepare_runtime() -> bool:
     """Use Triton's CPU interpreter when there is no GPU. Must run before kernels import."""
@@ -55,15 +57,7 @@ def _read_prompts(args: argparse.Namespace) -> list[dict]:
     path = Path(args.prompts)
     if not path.is_file():
         raise ValueError(f"--prompts file {path} does not exist")
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise ValueError(f'{path}:{n}: each line must be an object with a "prompt"')
+    for n, row in read_jsonl_objects(path):
         lora = row.get("lora")
         if lora is not None and not isinstance(lora, str):
             raise ValueError(f'{path}:{n}: "lora" must be an adapter name (a string) or null, '

@@ -13,11 +13,12 @@ a code task).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from detlora.json_files import read_jsonl_objects
 
 ARITHMETIC = "arithmetic"
 CODE = "code"
@@ -149,15 +150,8 @@ def load_prompts_file(path: str | Path) -> list[Task]:
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     tasks: list[Task] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
-                or not row["prompt"]:
+    for n, row in read_jsonl_objects(path):
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise ValueError(f'{path}:{n}: each line must be an object with a non-empty '
                              f'"prompt" string')
         answer, tests = row.get("answer"), row.get("tests")
