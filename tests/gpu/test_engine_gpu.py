@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.bf16_llama import write_bf16_llama
 
 from detlora.config import SamplingParams
 from detlora.entrypoints.llm import LLM
@@ -27,36 +28,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _write_model(path: Path) -> None:
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(0)
-    kv = KV_HEADS * HEAD_DIM
-
-    def rnd(*size: int, std: float) -> torch.Tensor:
-        return (torch.randn(*size, generator=g) * std).to(torch.bfloat16)
-
-    w = {"model.embed_tokens.weight": rnd(VOCAB, HIDDEN, std=1.0),
-         "model.norm.weight": 1 + rnd(HIDDEN, std=0.1),
-         "lm_head.weight": rnd(VOCAB, HIDDEN, std=0.1)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        w |= {p + "input_layernorm.weight": 1 + rnd(HIDDEN, std=0.1),
-              p + "post_attention_layernorm.weight": 1 + rnd(HIDDEN, std=0.1),
-              p + "self_attn.q_proj.weight": rnd(HIDDEN, HIDDEN, std=0.06),
-              p + "self_attn.k_proj.weight": rnd(kv, HIDDEN, std=0.06),
-              p + "self_attn.v_proj.weight": rnd(kv, HIDDEN, std=0.06),
-              p + "self_attn.o_proj.weight": rnd(HIDDEN, HIDDEN, std=0.06),
-              p + "mlp.gate_proj.weight": rnd(INTER, HIDDEN, std=0.06),
-              p + "mlp.up_proj.weight": rnd(INTER, HIDDEN, std=0.06),
-              p + "mlp.down_proj.weight": rnd(HIDDEN, INTER, std=0.04)}
-    path.mkdir(parents=True)
-    save_file(w, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
-        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "eos_token_id": 1, "bos_token_id": 0}))
+    write_bf16_llama(path, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS,
+                     kv_heads=KV_HEADS, head_dim=HEAD_DIM, inter=INTER,
+                     proj_std=0.06, down_std=0.04)
 
 
 def _write_adapter(path: Path, seed: int) -> None:
