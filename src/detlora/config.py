@@ -9,6 +9,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
+
+E = TypeVar("E", bound=Enum)
+
+
+def _parse_enum(cls: type[E], value: object, what: str) -> E:
+    """``cls(value)``, or a ValueError naming ``what`` and every allowed value."""
+    try:
+        return cls(value)
+    except ValueError:
+        names = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"{what} must be one of {names}, got {value!r}") from None
 
 
 class Determinism(str, Enum):
@@ -21,11 +33,7 @@ class Determinism(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Determinism) -> Determinism:
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(level.value) for level in cls)
-            raise ValueError(f"determinism must be one of {names}, got {value!r}") from None
+        return _parse_enum(cls, value, "determinism")
 
 
 class LoRAReduction(str, Enum):
@@ -47,11 +55,7 @@ class LoRAReduction(str, Enum):
 
     @classmethod
     def parse(cls, value: str | LoRAReduction) -> LoRAReduction:
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(r.value) for r in cls)
-            raise ValueError(f"reduction must be one of {names}, got {value!r}") from None
+        return _parse_enum(cls, value, "reduction")
 
 
 class LogprobsMode(str, Enum):
@@ -66,11 +70,7 @@ class LogprobsMode(str, Enum):
 
     @classmethod
     def parse(cls, value: str | LogprobsMode) -> LogprobsMode:
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"logprobs_mode must be one of {names}, got {value!r}") from None
+        return _parse_enum(cls, value, "logprobs_mode")
 
     @property
     def raw(self) -> bool:
