@@ -58,21 +58,45 @@ def test_requests_of_running_adapters_join_them():
 
 
 def test_overdue_request_blocks_only_adapters():
-    """Behind an overdue request, base-model requests still run; other adapters wait."""
+    """Behind an overdue request, base-model requests still run; other adapters wait, and so
+    does a request that would keep a running adapter's slot longer; one bound to finish
+    within that adapter's running requests joins it (the slot frees no later)."""
     s = _scheduler(max_loras=1, wait=0)
     x, y, z = object(), object(), object()
     running = make_seq(0, 3, max_tokens=50, lora=x)
     s.add(running)
     advance(s, s.schedule())
-    later = [make_seq(1, 3, lora=y), make_seq(2, 3, lora=x), make_seq(3, 3), make_seq(4, 3,
-                                                                                      lora=z)]
+    later = [make_seq(1, 3, lora=y), make_seq(2, 3, max_tokens=60, lora=x), make_seq(3, 3),
+             make_seq(4, 3, lora=z), make_seq(5, 3, max_tokens=49, lora=x),
+             make_seq(6, 3, max_tokens=50, lora=x)]
     for q in later:
         s.add(q)
     out = s.schedule()
-    # y is overdue at once (wait=0): x's new request may not join x, z may not start; the
-    # base-model request runs.
-    assert [q.seq.seq_id for q in out.scheduled] == [0, 3]
-    assert list(s.waiting) == [later[0], later[1], later[3]]
+    # y is overdue at once (wait=0); x's running request may add 49 more tokens: the x
+    # request of 49 tokens joins it, those of 60 and 50 would outlast it and wait, z may not
+    # start; the base-model request runs.
+    assert [q.seq.seq_id for q in out.scheduled] == [0, 3, 5]
+    assert list(s.waiting) == [later[0], later[1], later[3], later[5]]
+
+
+def test_a_wave_of_equal_requests_runs_together_behind_an_overdue_one():
+    """Slots free at once (a wave ends): the oldest requests take them, the first that finds
+    none is overdue, and the later requests of the adapters just admitted still join."""
+    s = _scheduler(max_loras=2, wait=0)
+    a, b, c = object(), object(), object()
+    seqs = [make_seq(i, 3, max_tokens=4, lora=lora)
+            for i, lora in enumerate([a, b, c, a, b, c, a])]
+    for q in seqs:
+        s.add(q)
+    out = s.schedule()
+    assert [q.seq.seq_id for q in out.scheduled] == [0, 1, 3, 4, 6]
+    steps = 1
+    while not any(q.seq.lora is c for q in out.scheduled):
+        advance(s, out)
+        out = s.schedule()
+        steps += 1
+    # c's requests run as soon as a and b drain (4 tokens each), both at once.
+    assert steps == 5 and [q.seq.seq_id for q in out.scheduled] == [2, 5]
 
 
 def test_upcoming_adapters_skip_running_ones():

@@ -14,9 +14,12 @@ Policy (one step, a token budget of ``max_num_batched_tokens``):
    waiting requests of the adapters already running join them (locality); one that cannot
    get pages stops admission (so a long prompt is not starved by short ones). A request kept
    waiting for an adapter slot for ``max_adapter_wait`` schedules is overdue: from then on
-   nothing behind it may take an adapter other than its own (nor join a running one), so
-   the running adapters drain and the next free slot is its own. No request waits for a
-   slot longer than that plus the longest running request. With
+   nothing behind it may take an adapter other than its own, nor join a running adapter
+   unless it is bound to finish no later than that adapter's running requests (its
+   remaining tokens, up to ``max_len``, are not more than theirs), so the running adapters
+   drain and the next free slot is its own. No request waits for a slot longer than that
+   plus the longest running request, and requests that arrive together with their adapter
+   still run together (a wave of equal-length requests is not cut short). With
    prefix caching a sequence first takes the cached pages of its prefix (``BlockManager``)
    and is given only the tokens after them; one whose next page a running sequence is
    computing waits (keeping its place) until that page is cached; a request for prompt
@@ -144,13 +147,22 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
         adapters = {s.lora for s in self.running if s.lora is not None}
+        # Per running adapter, the most tokens any of its sequences may still produce: when
+        # its slot frees at the latest.
+        drains: dict[object, int] = {}
+        for s in self.running:
+            if s.lora is not None:
+                drains[s.lora] = max(drains.get(s.lora, 0), _tokens_left(s))
         skipped: list[Sequence] = []
         overdue: Sequence | None = None  # the first request kept from a slot too long
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.max_loras is not None and seq.lora is not None:
-                if overdue is not None and seq.lora != overdue.lora:
-                    skipped.append(self.waiting.popleft())  # the slot it waits for is not ours
+                if (overdue is not None and seq.lora != overdue.lora
+                        and _tokens_left(seq) > drains.get(seq.lora, -1)):
+                    # The slot the overdue request waits for is not ours, and joining a
+                    # running adapter would keep its slot longer.
+                    skipped.append(self.waiting.popleft())
                     continue
                 if seq.lora not in adapters and len(adapters) >= self.max_loras:
                     if seq.adapter_wait_since is None:
@@ -187,6 +199,7 @@ class Scheduler:
             self.running.append(seq)
             if seq.lora is not None:
                 adapters.add(seq.lora)
+                drains[seq.lora] = max(drains.get(seq.lora, 0), _tokens_left(seq))
             scheduled.append(ScheduledSequence(seq, n, n == seq.num_pending))
             budget -= n
         # Skipped sequences keep their place ahead of everything that arrived after them.
@@ -223,3 +236,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+
+
+def _tokens_left(seq: Sequence) -> int:
+    """Tokens ``seq`` may still add before it must finish (max_tokens or max_model_len)."""
+    return seq.max_len - len(seq.token_ids)
