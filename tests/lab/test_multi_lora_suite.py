@@ -13,8 +13,9 @@ def test_tiny_traffic_and_slot_cost():
                    slot_run_to_run_max_loras=(), slot_batches=(2,), traffic_vs_alone=2)
     result = run(plan, parts=("traffic", "slot_cost"), log=lambda _: None)
     traffic = result["traffic"]
-    assert [r["distribution"] for r in traffic] == ["single", "working_set_uniform", "zipf",
-                                                    "uniform"]
+    assert [(r["distribution"], r["pass"]) for r in traffic] == [
+        ("single", 1), ("working_set_uniform", 1), ("working_set_uniform", 2), ("zipf", 1),
+        ("zipf", 2), ("uniform", 1), ("uniform", 2)]
     for r in traffic:
         assert {"model", "adapters", "distribution", "max_loras", "output_tok_per_s",
                 "vs_single"} <= set(r) and r["output_tok_per_s"] > 0
@@ -22,11 +23,18 @@ def test_tiny_traffic_and_slot_cost():
     assert sum(r["swaps"] for r in traffic) > 0
     (cost,) = result["slot_cost"]
     assert {"model", "max_loras", "batch", "level", "tpot_ms"} <= set(cost)
-    assert result["invariance"] == [{"check": "zipf_traffic_vs_alone_max_loras_2",
-                                     "comparisons": 2, "differing": 0}]
+    # Pass 2 finds every adapter in the host cache: no disk read.
+    assert all(r["disk_loads"] == 0 for r in traffic if r["pass"] == 2)
+    assert result["invariance"] == [
+        {"check": "working_set_uniform_pass_2_vs_1_max_loras_2", "comparisons": 8,
+         "differing": 0},
+        {"check": "zipf_pass_2_vs_1_max_loras_2", "comparisons": 8, "differing": 0},
+        {"check": "zipf_traffic_vs_alone_max_loras_2", "comparisons": 2, "differing": 0},
+        {"check": "uniform_pass_2_vs_1_max_loras_2", "comparisons": 8, "differing": 0}]
     figures = headline({**result, "meta": {}})
-    assert figures["vs_single"]["zipf_max_loras_2"] == traffic[2]["vs_single"]
-    assert figures["differing_outputs"] == "0/2"
+    assert figures["vs_single"]["zipf_max_loras_2"] == traffic[3]["vs_single"]
+    assert figures["vs_single"]["zipf_max_loras_2_pass2"] == traffic[4]["vs_single"]
+    assert figures["differing_outputs"] == "0/26"
 
 
 def test_draws_do_not_follow_max_loras():
