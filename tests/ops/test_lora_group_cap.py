@@ -178,13 +178,16 @@ def test_capped_launch_does_not_grow_with_the_slots(monkeypatch):
         grids.launches, itertools.product((1, 8, 32, 64), (None, 8)), strict=True)}
     assert [group_axis[(s, None)] for s in (1, 8, 32, 64)] == [2, 9, 33, 64]  # min(M, L + 1)
     assert [group_axis[(s, 8)] for s in (1, 8, 32, 64)] == [2, 8, 8, 8]
-    assert {cap for _, cap in grids.launches} == {0, 8}  # one compiled variant per cap
+    assert [c for _, c in grids.launches] == [0, 0, 0, 8, 0, 8, 0, 8]  # binding caps loop
+    # The engine's default tiles cap the group axis at 16.
+    assert expand_config(m, 16, 32).group_cap == 16
 
 
 def test_group_programs():
     assert group_programs(33, None) == (33, 0)
     assert group_programs(33, 8) == (8, 8)
-    assert group_programs(1, 8) == (1, 8)  # the constexpr follows the cap, not the batch
+    # A cap that does not bind launches the plain kernel (the loop is slower there).
+    assert group_programs(8, 8) == (8, 0) and group_programs(1, 8) == (1, 0)
 
 
 @pytest.mark.parametrize("cap", [0, -1, 1.5, True, "8"])

@@ -94,12 +94,15 @@ def group_tokens(
 
 def group_programs(num_groups: int, group_cap: int | None) -> tuple[int, int]:
     """(programs along a kernel's group axis, its ``GROUP_CAP`` constexpr): one program per
-    group and 0 (no loop) without a cap; else at most ``group_cap`` programs that loop."""
+    group and 0 (no loop) without a cap or where it does not bind (no more groups than the
+    cap: the looping variant is slower there); else ``group_cap`` programs that loop."""
     if group_cap is None:
         return num_groups, 0
     if isinstance(group_cap, bool) or not isinstance(group_cap, int) or group_cap < 1:
         raise ValueError(f"group_cap must be None or a positive int, got {group_cap!r}")
-    return min(group_cap, num_groups), group_cap
+    if num_groups <= group_cap:
+        return num_groups, 0
+    return group_cap, group_cap
 
 
 def group_tokens_host(

@@ -72,8 +72,9 @@ class ExpandConfig:
     ``group_cap``: None launches one program per adapter group along the grid's group axis
     (``min(M, slots + 1)`` of them, most empty when few adapters are in use); an int launches
     at most that many, each looping over groups z, z + cap, ... until the first group without
-    rows (``adapter_groups.group_programs``). Every row tile is computed as before: the cap
-    changes which program computes it, never its bits.
+    rows, where there are more groups than that (``adapter_groups.group_programs``). Every
+    row tile is computed as before: the cap changes which program computes it, never its
+    bits. ``expand_config`` caps at ``EXPAND_GROUP_CAP``.
     """
 
     block_m: int
@@ -184,13 +185,19 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
 DECODE_ROWS = 64
 
 
+# Programs along the expand's adapter-group axis at most: beyond 16 groups (a batch of more
+# than 16 rows with more than 15 slots) they loop, so idle slots stop adding empty programs.
+EXPAND_GROUP_CAP = 16
+
+
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
     """Expand tiles; ``block_r`` depends on the rank alone, so the tiles never change a row's
-    bits (tests/gpu proves rows equal at every M)."""
+    bits (tests/gpu proves rows equal at every M); the group cap never changes them either."""
     block_r = min(max(16, next_power_of_2(rank)), 64)
     bm = _block_m(num_rows)
     cap = 128
     if num_rows <= DECODE_ROWS:
         bm, cap = min(bm, 32), 64
     bn = cap if max_width >= cap else _block_n(max_width, cap)
-    return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2)
+    return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2,
+                        group_cap=EXPAND_GROUP_CAP)

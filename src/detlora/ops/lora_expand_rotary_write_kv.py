@@ -27,6 +27,8 @@ each row's cos/sin, and stores q, or writes k or v into each row's page slot (pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections.abc import Sequence
 
@@ -248,6 +250,8 @@ def lora_expand_rotary_write_kv(
     m, hq, hk = y.shape[0], q.shape[1], k.shape[1]
     q_out = torch.empty(m, hq, head_dim, dtype=y.dtype, device=y.device)
     cfg = tile_config(config, m, e.rank, max(e.widths))
+    if config is None:  # its grid is small: a cap gains nothing and slows many adapters
+        cfg = dataclasses.replace(cfg, group_cap=None)
     g = e.groups
     num_blocks, page = k_cache.shape[:2]
     programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
