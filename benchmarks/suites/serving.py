@@ -12,14 +12,17 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
 2. The server (``detlora serve``), then at concurrency 1, 16, 64 and 256 (4, 64, 512 and 1,024
    requests; client processes past 16 clients): output tok/s over the level's wall time, time to
    first token and inter-token latency (p50, p99, at the client), failed requests, and outputs
-   that differ from the offline reference (token ids and logprobs, bit for bit).
+   that differ from the offline reference (token ids and logprobs, bit for bit), and the
+   cores the server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and
+   streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc).
 3. Decisions: 1,000 one-question noul requests with an adapter (distinct states), requests/s of
    the first pass; 10 passes in all, and how many probabilities changed from the first.
 
     python -m benchmarks.suites.serving --out out/serving.json [--quick]
 
 Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-"itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing"}], "offline_batch64_tok_per_s",
+"itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu"}],
+"offline_batch64_tok_per_s",
 "decisions": {"requests_per_s", "repetitions", "questions", "changed"}}.
 """
 
@@ -211,6 +214,40 @@ def start_server(root: Path, plan: Plan, log: Path) -> tuple[str, subprocess.Pop
     raise RuntimeError("the server did not start")
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc), None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def server_cpu(proc: subprocess.Popen) -> dict[str, float | None]:
+    """CPU seconds so far of the server's front end (HTTP, tokenizer, streams) and of its
+    engine process (the step loop), to tell which one a level saturates."""
+    kids = _children(proc.pid)
+    core = [c for c in (_cpu_seconds(k) for k in kids) if c is not None]
+    return {"frontend": _cpu_seconds(proc.pid), "engine": sum(core) if core else None}
+
+
+def _busy(before: dict, after: dict, wall: float) -> dict[str, float | None]:
+    """Cores kept busy over ``wall`` seconds, per process (1.0: one core all the time)."""
+    return {f"{k}_cpu": None if before[k] is None or after[k] is None else
+            round((after[k] - before[k]) / wall, 3) for k in before}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -272,9 +309,12 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
             for concurrency, n in plan.levels:
                 reqs = [LoadRequest("completion", b) for b in pool[:n]]
                 procs = 1 if concurrency <= 16 else 4
+                cpu = server_cpu(proc)
+                t0 = time.perf_counter()
                 results = run_load_processes(url, reqs, concurrency=concurrency,
                                              processes=procs, api_key=KEY, deadline_s=300)
-                row = level_row(concurrency, results, refs, fingerprints)
+                busy = _busy(cpu, server_cpu(proc), time.perf_counter() - t0)
+                row = {**level_row(concurrency, results, refs, fingerprints), **busy}
                 rows.append(row)
                 log(json.dumps(row))
                 errors = [r.error for r in results if not r.ok][:3]
