@@ -491,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/multi_lora.json")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized plan (code paths)")
+    parser.add_argument("--slot-models", help="comma-separated subset of the slot-cost "
+                        "models (" + ", ".join(n for n, _ in Plan().slot_models) + ")")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
@@ -508,7 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".partial.json").write_text(json.dumps(
             {"meta": {**results_meta(command), "partial": True}, **partial}, indent=1))
 
-    result = run(Plan.tiny() if args.tiny else Plan(), parts, checkpoint=checkpoint)
+    plan = Plan.tiny() if args.tiny else Plan()
+    if args.slot_models:
+        names = args.slot_models.split(",")
+        known = dict(plan.slot_models)
+        if any(n not in known for n in names):
+            parser.error(f"--slot-models: choose from {list(known)}, got {names}")
+        plan = replace(plan, slot_models=tuple((n, known[n]) for n in names))
+    result = run(plan, parts, checkpoint=checkpoint)
     result = {"meta": {**results_meta(command), **result.pop("meta")}, **result}
     write_results(out, result)
     out.with_suffix(".partial.json").unlink(missing_ok=True)
