@@ -355,6 +355,9 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert _metric(url, "detlora:num_aborted_requests") == aborted + 2
     assert _metric(url, "detlora:time_to_first_token_seconds_count") > 0
     assert _metric(url, "detlora:generation_tokens_total") > 0
+    # Every token came out of an engine step, timed in the engine process.
+    steps = _metric(url, "detlora:engine_step_seconds_count")
+    assert steps > 0 and _metric(url, "detlora:engine_step_seconds_sum") > 0
     text = httpx.get(url + "/metrics").text
     assert 'detlora:http_requests_total{route="/v1/completions",status="200"}' in text
     # Adapter traffic: --lora-modules read the tox adapter into the host cache at start.

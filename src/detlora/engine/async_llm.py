@@ -206,6 +206,8 @@ class AsyncLLM:
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self.on_delta: Callable[[RequestStream, int], None] | None = None  # metrics hook
         self.on_crash: Callable[[str], None] | None = None
+        # Called with the wall time of every engine step, as the engine process measured it.
+        self.on_step: Callable[[float], None] | None = None
         self._sender = threading.Thread(target=self._send_loop, name="detlora-send",
                                         daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="detlora-receive",
@@ -402,7 +404,7 @@ class AsyncLLM:
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "step":
-            _, deltas, accepted, rejected, stats = msg
+            _, deltas, accepted, rejected, stats, seconds = msg
             streams = self._streams
             for rid in accepted:
                 s = streams.get(rid)
@@ -419,6 +421,8 @@ class AsyncLLM:
                 if s is not None:
                     s._put(d, now)
             self.stats = stats
+            if seconds is not None and self.on_step is not None:
+                self.on_step(seconds)
         elif kind == "result":
             _, call_id, ok, value = msg
             fut = self._calls.pop(call_id, None)

@@ -17,7 +17,7 @@ front end -> core
 
 core -> front end
     ("ready", EngineInfo) or ("failed", message)   once, after the engine is built
-    ("step", [Delta], accepted, rejected, EngineStats)
+    ("step", [Delta], accepted, rejected, EngineStats, step seconds or None)
     ("result", id, ok, value)
     ("crashed", message)      a step raised: every request in flight was dropped
 """
@@ -25,6 +25,7 @@ core -> front end
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -188,16 +189,21 @@ class EngineCore:
                 engine.abort_all()
                 return
             deltas: list[Delta] = []
+            seconds = None
             if engine.has_unfinished():
+                start = time.perf_counter()
                 try:
                     deltas = [_delta(seq) for seq in engine.step_sequences()]
                 except Exception as e:  # a bug: drop what runs, keep serving
                     self.conn_out.send(("crashed", _describe(e)))
                     engine.abort_all()
+                seconds = time.perf_counter() - start
             stats = self.stats()
-            if deltas or self._accepted or self._rejected or stats != self._last_stats:
+            if deltas or self._accepted or self._rejected or stats != self._last_stats \
+                    or seconds is not None:
                 try:
-                    self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats))
+                    self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats,
+                                        seconds))
                 except OSError:
                     return  # the front end is gone
                 self._accepted, self._rejected, self._last_stats = [], [], stats

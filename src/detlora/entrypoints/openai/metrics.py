@@ -2,7 +2,8 @@
 
 Counters of HTTP requests by route and status, prompt and output tokens, finished requests
 by reason and adapter loads; histograms of time to first token and inter-token latency (per
-request, measured where the front end receives the engine's tokens); gauges of running and
+request, measured where the front end receives the engine's tokens) and of the engine's step
+times (measured in the engine process); gauges of running and
 waiting sequences and of KV-cache use, from the engine's latest step.
 """
 
@@ -21,6 +22,9 @@ from detlora.engine.async_llm import AsyncLLM, RequestStream
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+_STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class ServerMetrics:
@@ -42,6 +46,10 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("detlora:inter_token_latency_seconds", "Time between tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.step = Histogram("detlora:engine_step_seconds", "Wall time of each engine step "
+                              "in the engine process (schedule, launch, read the tokens): "
+                              "its sum over a span of time is how busy the engine was",
+                              buckets=_STEP_BUCKETS, registry=r)
         self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("detlora:num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("detlora:kv_cache_usage_perc", "Fraction of KV pages in use "
@@ -63,6 +71,7 @@ class ServerMetrics:
         self.info.labels(**labels, fingerprint=llm.info.base_fingerprint,
                          determinism=llm.info.determinism).set(1)
         llm.on_delta = self.on_delta
+        llm.on_step = self.step.observe
 
     def on_delta(self, stream: RequestStream, num_tokens: int) -> None:
         """Called for every delta the engine sends (on the event loop)."""
