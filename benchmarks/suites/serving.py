@@ -14,14 +14,20 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    first token and inter-token latency (p50, p99, at the client), failed requests, and outputs
    that differ from the offline reference (token ids and logprobs, bit for bit), and the
    cores the server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and
-   streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc).
+   streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc), the
+   engine's steps in the level from the server's /metrics (``engine_busy``: their summed wall
+   time over the level's, below 1 when the engine waited for requests; ``steps_over_100ms``)
+   and the Triton kernels the server compiled meanwhile. Each level starts with an untimed
+   run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server that has
+   seen such traffic before (``warmup_kernels_compiled``: what it compiled).
 3. Decisions: 1,000 one-question noul requests with an adapter (distinct states), requests/s of
    the first pass; 10 passes in all, and how many probabilities changed from the first.
 
     python -m benchmarks.suites.serving --out out/serving.json [--quick]
 
 Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
-"itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu"}],
+"itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu",
+"engine_steps", "engine_busy", "steps_over_100ms", "kernels_compiled"}],
 "offline_batch64_tok_per_s",
 "decisions": {"requests_per_s", "repetitions", "questions", "changed"}}.
 """
@@ -248,6 +254,38 @@ def _busy(before: dict, after: dict, wall: float) -> dict[str, float | None]:
             round((after[k] - before[k]) / wall, 3) for k in before}
 
 
+def triton_kernels_cached() -> int:
+    """Entries of Triton's kernel cache: a compile in the server adds one."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
+
+
+def engine_steps(url: str) -> dict[str, float]:
+    """The server's engine-step histogram (/metrics): steps, their summed seconds, and steps
+    longer than 0.1 s."""
+    import httpx
+
+    out = {"count": 0.0, "sum": 0.0, "le_0.1": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("detlora:engine_step_seconds_count"):
+            out["count"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("detlora:engine_step_seconds_sum"):
+            out["sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('detlora:engine_step_seconds_bucket{le="0.1"}'):
+            out["le_0.1"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _step_row(before: dict, after: dict, wall: float, kernels: int) -> dict[str, Any]:
+    """The engine's side of a level: steps, the share of the wall it spent stepping (below
+    1: it waited for requests), steps over 0.1 s, and Triton kernels compiled meanwhile."""
+    steps = after["count"] - before["count"]
+    return {"engine_steps": int(steps),
+            "engine_busy": round((after["sum"] - before["sum"]) / wall, 3),
+            "steps_over_100ms": int(steps - (after["le_0.1"] - before["le_0.1"])),
+            "kernels_compiled": kernels}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -309,12 +347,24 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
             for concurrency, n in plan.levels:
                 reqs = [LoadRequest("completion", b) for b in pool[:n]]
                 procs = 1 if concurrency <= 16 else 4
-                cpu = server_cpu(proc)
+                # A short untimed run at this concurrency first: the step shapes of its
+                # first wave compile their kernels there, not in the timed run.
+                kernels = triton_kernels_cached()
+                warm = [LoadRequest("completion", {**b, "max_tokens": 8})
+                        for b in pool[:concurrency]]
+                run_load_processes(url, warm, concurrency=concurrency, processes=procs,
+                                   api_key=KEY, deadline_s=300)
+                warm_kernels = triton_kernels_cached() - kernels
+                cpu, steps, kernels = server_cpu(proc), engine_steps(url), triton_kernels_cached()
                 t0 = time.perf_counter()
                 results = run_load_processes(url, reqs, concurrency=concurrency,
                                              processes=procs, api_key=KEY, deadline_s=300)
-                busy = _busy(cpu, server_cpu(proc), time.perf_counter() - t0)
-                row = {**level_row(concurrency, results, refs, fingerprints), **busy}
+                wall = time.perf_counter() - t0
+                row = {**level_row(concurrency, results, refs, fingerprints),
+                       **_busy(cpu, server_cpu(proc), wall),
+                       **_step_row(steps, engine_steps(url), wall,
+                                   triton_kernels_cached() - kernels),
+                       "warmup_kernels_compiled": warm_kernels}
                 rows.append(row)
                 log(json.dumps(row))
                 errors = [r.error for r in results if not r.ok][:3]
