@@ -30,6 +30,9 @@ from urllib.parse import urlparse
 import httpx
 
 
+START_DELAY_S = 3.0  # client processes begin sending this long after they are started
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     kind: str  # "completion" (streamed) or "decision"
@@ -172,7 +175,11 @@ async def run_load(url: str, requests: list[LoadRequest], *, concurrency: int,
 
 
 def _run_slice(url: str, requests: list[LoadRequest], concurrency: int, api_key: str | None,
-               deadline_s: float, first: int) -> list[LoadResult]:
+               deadline_s: float, first: int, start_at: float | None = None) -> list[LoadResult]:
+    """One client process's share; with ``start_at`` (a ``time.time()``), it waits until
+    then, so that processes that took different times to start begin together."""
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
     return asyncio.run(run_load(url, requests, concurrency=concurrency, api_key=api_key,
                                 deadline_s=deadline_s, first_index=first))
 
@@ -191,8 +198,11 @@ def run_load_processes(url: str, requests: list[LoadRequest], *, concurrency: in
     slices = [(k * size, requests[k * size:(k + 1) * size]) for k in range(processes)]
     per = max(1, concurrency // processes)
     with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(_run_slice, url, part, per, api_key, deadline_s, first)
-                   for first, part in slices if part]
+        # The processes start (spawn, imports: about a second) at different times; all of
+        # them wait for one start time, so the load is ``concurrency`` from its first request.
+        start_at = time.time() + START_DELAY_S
+        futures = [pool.submit(_run_slice, url, part, per, api_key, deadline_s, first,
+                               start_at) for first, part in slices if part]
         out: list[LoadResult] = []
         for f in futures:
             out += f.result()

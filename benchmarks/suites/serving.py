@@ -17,7 +17,7 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc), the
    engine's steps in the level from the server's /metrics (``engine_busy``: their summed wall
    time over the level's, below 1 when the engine waited for requests; ``steps_over_100ms``)
-   and the Triton kernels the server compiled meanwhile. Each level starts with an untimed
+   and the Triton kernels (names) the server compiled meanwhile. Each level starts with an untimed
    run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server that has
    seen such traffic before (``warmup_kernels_compiled``: what it compiled).
 3. Decisions: 1,000 one-question noul requests with an adapter (distinct states), requests/s of
@@ -254,10 +254,21 @@ def _busy(before: dict, after: dict, wall: float) -> dict[str, float | None]:
             round((after[k] - before[k]) / wall, 3) for k in before}
 
 
-def triton_kernels_cached() -> int:
+def triton_kernels_cached() -> set[str]:
     """Entries of Triton's kernel cache: a compile in the server adds one."""
     root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def compiled_since(before: set[str]) -> list[str]:
+    """The kernels (by name) of the cache entries added since ``before``."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    names = []
+    for entry in sorted(triton_kernels_cached() - before):
+        stems = {f.name.split(".")[0] for f in (root / entry).glob("*.json")
+                 if not f.name.startswith("__grp__")}
+        names += sorted(stems) or [entry]
+    return names
 
 
 def engine_steps(url: str) -> dict[str, float]:
@@ -276,7 +287,7 @@ def engine_steps(url: str) -> dict[str, float]:
     return out
 
 
-def _step_row(before: dict, after: dict, wall: float, kernels: int) -> dict[str, Any]:
+def _step_row(before: dict, after: dict, wall: float, kernels: list[str]) -> dict[str, Any]:
     """The engine's side of a level: steps, the share of the wall it spent stepping (below
     1: it waited for requests), steps over 0.1 s, and Triton kernels compiled meanwhile."""
     steps = after["count"] - before["count"]
@@ -354,7 +365,7 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                         for b in pool[:concurrency]]
                 run_load_processes(url, warm, concurrency=concurrency, processes=procs,
                                    api_key=KEY, deadline_s=300)
-                warm_kernels = triton_kernels_cached() - kernels
+                warm_kernels = compiled_since(kernels)
                 cpu, steps, kernels = server_cpu(proc), engine_steps(url), triton_kernels_cached()
                 t0 = time.perf_counter()
                 results = run_load_processes(url, reqs, concurrency=concurrency,
@@ -362,8 +373,7 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                 wall = time.perf_counter() - t0
                 row = {**level_row(concurrency, results, refs, fingerprints),
                        **_busy(cpu, server_cpu(proc), wall),
-                       **_step_row(steps, engine_steps(url), wall,
-                                   triton_kernels_cached() - kernels),
+                       **_step_row(steps, engine_steps(url), wall, compiled_since(kernels)),
                        "warmup_kernels_compiled": warm_kernels}
                 rows.append(row)
                 log(json.dumps(row))
