@@ -34,9 +34,9 @@ from detlora.lora.stats import LoRAStats
 
 # Share of the host's available memory (at engine start) that the cache may hold by default.
 HOST_MEMORY_FRACTION = 0.4
-# Reader threads: hashing, the finite check and the copies release the GIL, so reads scale
-# with cores; half of them, 2 to 8, leaves the engine's own thread and the tokenizer theirs.
-READ_WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+# Reader threads. More do not read faster: each read's torch ops already use the intra-op
+# thread pool (8 readers on a 16-core host took 5x longer per read; docs/decisions.md).
+READ_WORKERS = 2
 
 
 @dataclass(frozen=True)
