@@ -45,3 +45,4 @@ def test_demo_on_the_real_model_runs_every_level():
     text = "\n".join(lines)
     assert "SmolLM2-135M-Instruct" in text and "Paris" in text, text
     assert os.environ.get(ENV) is None or "fast:" in text
+    print(text)  # the demo's own output, for the run's log (pytest -s)
