@@ -32,6 +32,8 @@ class Tokenizer:
                 str(path), use_fast=mode != "slow", trust_remote_code=trust_remote_code)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer in {path}: {e}") from None
+        self._fast_decode: Any = None  # decided on first use (False: none)
+        self._token_texts: dict[int, str] = {}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -75,8 +77,53 @@ class Tokenizer:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        """``hf.decode(token_ids, skip_special_tokens=True)``; through the tokenizers
+        backend directly where that gives the same text (``_backend_decode``): a server
+        decodes a window twice per streamed token, and transformers' wrapper costs several
+        times the decode itself."""
+        if self._fast_decode is None:
+            self._fast_decode = _backend_decode(self.hf) or False
+        if self._fast_decode:
+            return self._fast_decode(list(token_ids), skip_special_tokens=True)
         return self.hf.decode(list(token_ids), skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
-        """One token alone, as text (special tokens included)."""
-        return self.hf.decode([token_id])
+        """One token alone, as text (special tokens included); remembered per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id])
+        return text
+
+
+# Text whose decoding shows transformers' post-processing when a tokenizer has it: spaces
+# before punctuation and contractions (clean_up_tokenization_spaces), accents, CJK, an emoji
+# (bytes split over tokens), whitespace runs.
+_PROBE = ("Hello , world . It 's a test ! Isn 't it ? We 're here , they 've gone , I 'm "
+          "fine . naïve café 東京 🙂 \n\t  end")
+
+
+def _backend_decode(hf: Any) -> Any:
+    """The tokenizers backend's ``decode`` when it is what ``hf.decode`` runs: a fast tokenizer
+    whose ``_decode`` is transformers' own (not a model's override) and whose decoding of a
+    probe text, its tokens one by one, the first 512 ids and the special tokens, with and
+    without special tokens, equals ``hf.decode``'s (post-processing such as
+    clean_up_tokenization_spaces is either on for a tokenizer or off, so a probe that holds
+    its patterns tells). None otherwise."""
+    backend = getattr(hf, "_tokenizer", None)
+    impl = getattr(type(hf), "_decode", None)
+    if backend is None or not hasattr(backend, "decode") or impl is None \
+            or not getattr(impl, "__module__", "").startswith("transformers.tokenization_utils"):
+        return None
+    try:
+        probe = list(hf(_PROBE, add_special_tokens=True)["input_ids"])
+        vocab = len(hf)
+        samples = [probe, probe[1:], *([i] for i in probe), *([i] for i in range(min(512, vocab))),
+                   [int(i) for i in hf.all_special_ids if 0 <= int(i) < vocab]]
+        for ids in samples:
+            for skip in (True, False):
+                if backend.decode(ids, skip_special_tokens=skip) != hf.decode(
+                        ids, skip_special_tokens=skip):
+                    return None
+    except Exception:  # an unusual tokenizer: keep transformers' path
+        return None
+    return backend.decode
