@@ -20,7 +20,9 @@
 #                     shrink-chunks | multi-lora | serving (installs .whl/*.whl first: the
 #                     server's wheels)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
-#                     $STUDY_ARGS adds options, e.g. --reductions ordered; installs .whl/*.whl
+#                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
+#                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
+#                     replay,repeat or --reductions ordered; installs .whl/*.whl
 #                     first, where matplotlib's wheels give the figures; without them
 #                     `detlora study --render out/study` draws them from study.json)
 #                     | tensor-parallel (2+ GPUs: TP 1 against 2)
@@ -64,15 +66,32 @@ server_wheels() {
 }
 
 study() {  # the paper's study on the embedded model and the Llama-3.2-3B shape (random weights)
-  local tmp
+  # STUDY_MODELS: "smollm2", "3b" or both (default); each model's run goes to its own
+  # $OUT/study-<model> (merge them with `detlora study --merge`), both in one to $OUT/study.
+  local tmp models=${STUDY_MODELS:-"smollm2 3b"} rc=0 m args out
   tmp=$(mktemp -d)
-  python3 -c "import sys; from pathlib import Path; \
+  case " $models " in *" 3b "*)
+    python3 -c "import sys; from pathlib import Path; \
 from benchmarks.suites.engine import ModelShape, write_model; \
-write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" &&
-  # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
-  python3 -m detlora.entrypoints.cli study smollm2 "$tmp/Llama-3.2-3B-shape" \
-    --tokenizer smollm2 --out "$OUT/study" --no-progress ${STUDY_ARGS:-}
-  local rc=$?
+write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" || return 1 ;;
+  esac
+  if [ "$models" = "smollm2 3b" ]; then
+    # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
+    python3 -m detlora.entrypoints.cli study smollm2 "$tmp/Llama-3.2-3B-shape" \
+      --tokenizer smollm2 --out "$OUT/study" --no-progress ${STUDY_ARGS:-} || rc=1
+  else
+    for m in $models; do
+      case $m in
+        smollm2) args=(smollm2) ;;
+        3b) args=("$tmp/Llama-3.2-3B-shape" --tokenizer smollm2) ;;
+        *) echo "STUDY_MODELS: unknown model $m (smollm2, 3b)"; rc=1; continue ;;
+      esac
+      out="$OUT/study-$m"
+      # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
+      python3 -m detlora.entrypoints.cli study "${args[@]}" --out "$out" --no-progress \
+        ${STUDY_ARGS:-} || rc=1
+    done
+  fi
   rm -rf "$tmp"
   return $rc
 }
