@@ -16,7 +16,9 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    cores the server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and
    streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc), the
    engine's steps in the level from the server's /metrics (``engine_busy``: their summed wall
-   time over the level's, below 1 when the engine waited for requests; ``steps_over_100ms``)
+   time over the level's, below 1 when the engine waited for requests; ``steps_over_100ms``),
+   the server's own mean time to first token and its admission part (front end to engine
+   process), beside the clients' mean (the difference is HTTP and request handling)
    and the Triton kernels (names) the server compiled meanwhile. Each level starts with an untimed
    run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server that has
    seen such traffic before (``warmup_kernels_compiled``: what it compiled).
@@ -27,7 +29,8 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
 
 Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
 "itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu",
-"engine_steps", "engine_busy", "steps_over_100ms", "kernels_compiled"}],
+"engine_steps", "engine_busy", "steps_over_100ms", "server_ttft_mean_ms",
+"server_admission_mean_ms", "kernels_compiled"}],
 "offline_batch64_tok_per_s",
 "decisions": {"requests_per_s", "repetitions", "questions", "changed"}}.
 """
@@ -271,29 +274,40 @@ def compiled_since(before: set[str]) -> list[str]:
     return names
 
 
-def engine_steps(url: str) -> dict[str, float]:
-    """The server's engine-step histogram (/metrics): steps, their summed seconds, and steps
-    longer than 0.1 s."""
+_SCRAPED = {"detlora:engine_step_seconds_count": "steps",
+            "detlora:engine_step_seconds_sum": "step_s",
+            'detlora:engine_step_seconds_bucket{le="0.1"}': "steps_le_0.1",
+            "detlora:time_to_first_token_seconds_count": "firsts",
+            "detlora:time_to_first_token_seconds_sum": "ttft_s",
+            "detlora:request_admission_seconds_sum": "admission_s"}
+
+
+def server_figures(url: str) -> dict[str, float]:
+    """Counters of the server's /metrics: engine steps, their summed seconds, steps up to
+    0.1 s; requests that got a first token, their summed time to it and their summed
+    admission (front end to engine process)."""
     import httpx
 
-    out = {"count": 0.0, "sum": 0.0, "le_0.1": 0.0}
+    out = dict.fromkeys(_SCRAPED.values(), 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("detlora:engine_step_seconds_count"):
-            out["count"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("detlora:engine_step_seconds_sum"):
-            out["sum"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith('detlora:engine_step_seconds_bucket{le="0.1"}'):
-            out["le_0.1"] = float(line.rsplit(" ", 1)[1])
+        name, _, value = line.rpartition(" ")
+        if name in _SCRAPED:
+            out[_SCRAPED[name]] = float(value)
     return out
 
 
 def _step_row(before: dict, after: dict, wall: float, kernels: list[str]) -> dict[str, Any]:
-    """The engine's side of a level: steps, the share of the wall it spent stepping (below
-    1: it waited for requests), steps over 0.1 s, and Triton kernels compiled meanwhile."""
-    steps = after["count"] - before["count"]
-    return {"engine_steps": int(steps),
-            "engine_busy": round((after["sum"] - before["sum"]) / wall, 3),
-            "steps_over_100ms": int(steps - (after["le_0.1"] - before["le_0.1"])),
+    """The server's side of a level: engine steps, the share of the wall the engine spent
+    stepping (below 1: it waited for requests), steps over 0.1 s, the server's mean time to
+    first token and its admission part (from the front end's add_request to the engine
+    process), and the Triton kernels compiled meanwhile."""
+    d = {k: after[k] - before[k] for k in after}
+    firsts = max(1.0, d["firsts"])
+    return {"engine_steps": int(d["steps"]),
+            "engine_busy": round(d["step_s"] / wall, 3),
+            "steps_over_100ms": int(d["steps"] - d["steps_le_0.1"]),
+            "server_ttft_mean_ms": round(1e3 * d["ttft_s"] / firsts, 3),
+            "server_admission_mean_ms": round(1e3 * d["admission_s"] / firsts, 3),
             "kernels_compiled": kernels}
 
 
@@ -317,6 +331,8 @@ def level_row(concurrency: int, results: list[Any], refs: list[Any],
             differing += 1
     return {"concurrency": concurrency,
             "output_tok_per_s": round(sum(r.output_tokens for r in ok) / wall, 1),
+            "ttft_mean_ms": round(1e3 * statistics.mean(t), 3) if (t := [
+                r.ttft for r in ok if r.ttft is not None]) else None,
             "ttft_p50_ms": _pct([r.ttft for r in ok if r.ttft is not None], 0.5),
             "ttft_p99_ms": _pct([r.ttft for r in ok if r.ttft is not None], 0.99),
             "itl_p50_ms": _pct([x for r in ok for x in r.itl], 0.5),
@@ -366,14 +382,14 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                 run_load_processes(url, warm, concurrency=concurrency, processes=procs,
                                    api_key=KEY, deadline_s=300)
                 warm_kernels = compiled_since(kernels)
-                cpu, steps, kernels = server_cpu(proc), engine_steps(url), triton_kernels_cached()
+                cpu, steps, kernels = server_cpu(proc), server_figures(url), triton_kernels_cached()
                 t0 = time.perf_counter()
                 results = run_load_processes(url, reqs, concurrency=concurrency,
                                              processes=procs, api_key=KEY, deadline_s=300)
                 wall = time.perf_counter() - t0
                 row = {**level_row(concurrency, results, refs, fingerprints),
                        **_busy(cpu, server_cpu(proc), wall),
-                       **_step_row(steps, engine_steps(url), wall, compiled_since(kernels)),
+                       **_step_row(steps, server_figures(url), wall, compiled_since(kernels)),
                        "warmup_kernels_compiled": warm_kernels}
                 rows.append(row)
                 log(json.dumps(row))

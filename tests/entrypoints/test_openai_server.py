@@ -358,6 +358,11 @@ def test_disconnect_mid_stream_frees_pages(server):
     # Every token came out of an engine step, timed in the engine process.
     steps = _metric(url, "detlora:engine_step_seconds_count")
     assert steps > 0 and _metric(url, "detlora:engine_step_seconds_sum") > 0
+    # Each request's admission (front end to engine) is part of its time to first token.
+    admitted = _metric(url, "detlora:request_admission_seconds_count")
+    assert admitted == _metric(url, "detlora:time_to_first_token_seconds_count") > 0
+    assert _metric(url, "detlora:request_admission_seconds_sum") <= _metric(
+        url, "detlora:time_to_first_token_seconds_sum")
     text = httpx.get(url + "/metrics").text
     assert 'detlora:http_requests_total{route="/v1/completions",status="200"}' in text
     # Adapter traffic: --lora-modules read the tox adapter into the host cache at start.

@@ -63,6 +63,7 @@ class StreamTimes:
     """When a request arrived and read its tokens (for metrics)."""
 
     arrival: float
+    accepted: float | None = None  # the engine process took the request (its clock)
     first_token: float | None = None
     last_token: float | None = None
     inter_token: list[float] = field(default_factory=list)  # seconds between token reads
@@ -406,16 +407,17 @@ class AsyncLLM:
         if kind == "step":
             _, deltas, accepted, rejected, stats, seconds = msg
             streams = self._streams
-            for rid in accepted:
+            now = time.monotonic()
+            for rid, taken in accepted:
                 s = streams.get(rid)
                 if s is not None and not s.accepted.done():
+                    s.times.accepted = taken
                     s.accepted.set_result(None)
             for rid, reason in rejected:
                 s = streams.get(rid)
                 if s is not None:
                     self._forget(s)
                     s._fail(ValueError(reason))
-            now = time.monotonic()
             for d in deltas:
                 s = streams.get(d[0])
                 if s is not None:

@@ -8,8 +8,9 @@ front end's process, so the step loop never waits for Python work on the serving
 GIL of one process would serialise both). Messages are pickled tuples over two pipes:
 
 front end -> core
-    ("add", AddRequest)       a request; the core answers with its id in ``accepted`` or
-                              ``rejected`` (with the ValueError's message) in the next message
+    ("add", AddRequest)       a request; the core answers with (its id, the monotonic time
+                              it took it) in ``accepted``, or with its id in ``rejected``
+                              (with the ValueError's message), in the next message
     ("abort", [request ids])  drop them now, freeing their KV pages
     ("call", id, name, args)  ``add_lora``, ``remove_lora``, ``reset_prefix_cache``; answered
                               by ("result", id, ok, value)
@@ -103,7 +104,7 @@ class EngineCore:
         self.engine = engine
         self.conn_in = conn_in
         self.conn_out = conn_out
-        self._accepted: list[str] = []
+        self._accepted: list[tuple[str, float]] = []
         self._rejected: list[tuple[str, str]] = []
         self._last_stats: EngineStats | None = None
         self._stop = False
@@ -129,8 +130,8 @@ class EngineCore:
                     sample_index=req.sample_index, label_token_ids=req.label_token_ids)
             except ValueError as e:
                 self._rejected.append((req.request_id, str(e)))
-            else:
-                self._accepted.append(req.request_id)
+            else:  # CLOCK_MONOTONIC is the host's: the front end compares it to its own
+                self._accepted.append((req.request_id, time.monotonic()))
         elif kind == "abort":
             ids = set(msg[1])
             sched = self.engine.scheduler

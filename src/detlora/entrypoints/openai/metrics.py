@@ -44,6 +44,10 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.ttft = Histogram("detlora:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.admission = Histogram("detlora:request_admission_seconds", "From a request's "
+                                   "arrival at the front end to the engine process taking it "
+                                   "(the rest of the time to first token is the engine's)",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("detlora:inter_token_latency_seconds", "Time between tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.step = Histogram("detlora:engine_step_seconds", "Wall time of each engine step "
@@ -80,6 +84,8 @@ class ServerMetrics:
         if times.first_token is not None and not times.first_token_reported:
             times.first_token_reported = True
             self.ttft.observe(times.first_token - times.arrival)
+            if times.accepted is not None:
+                self.admission.observe(times.accepted - times.arrival)
         for gap in times.inter_token:
             self.itl.observe(gap)
         times.inter_token.clear()
