@@ -29,7 +29,6 @@ from urllib.parse import urlparse
 
 import httpx
 
-
 START_DELAY_S = 3.0  # client processes begin sending this long after they are started
 
 

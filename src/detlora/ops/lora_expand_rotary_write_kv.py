@@ -28,7 +28,6 @@ each row's cos/sin, and stores q, or writes k or v into each row's page slot (pa
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from collections.abc import Sequence
 
