@@ -1,9 +1,9 @@
 """``detlora replay`` (the kernel replay study) runs on a CPU through the interpreter."""
 
-import io
 import sys
 
 import pytest
+from tests.helpers.fake_stderr import FakeStderr
 
 from detlora.entrypoints.cli import main
 
@@ -35,24 +35,13 @@ def test_replay_rank_above_the_kernels_maximum_is_a_clear_error(capsys):
     assert "rank 1000 is outside [1, 128]" in capsys.readouterr().err
 
 
-class _Stderr(io.StringIO):
-    """A stderr that says whether it is a terminal, whatever pytest's capture is."""
-
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 @pytest.mark.parametrize(("tty", "args", "shown"), [
     (True, [], True),
     (False, [], False),  # not a terminal: no bar
     (True, ["--no-progress"], False),
 ])
 def test_replay_bar_over_the_replays_only_on_a_terminal(capsys, monkeypatch, tty, args, shown):
-    err = _Stderr(tty)
+    err = FakeStderr(tty)
     monkeypatch.setattr(sys, "stderr", err)
     assert main(["replay", "--executions", "2", "--hidden", "16", *args]) == 0
     # 3 M on a CPU, each the torch reference and 5 reductions.
@@ -65,7 +54,7 @@ def test_replay_bar_over_the_replays_only_on_a_terminal(capsys, monkeypatch, tty
 def test_replay_table_progress_forced_writes_a_bar_whatever_stderr_is(monkeypatch):
     from detlora.study.replay_table import run_replay_table
 
-    err = _Stderr(False)
+    err = FakeStderr(False)
     monkeypatch.setattr(sys, "stderr", err)
     rows = run_replay_table(False, executions=2, hidden=16, progress=True)
     assert len(rows) == 18 and "replay: 100%" in err.getvalue()

@@ -3,10 +3,10 @@ an earlier call invalidated it."""
 
 from __future__ import annotations
 
-import io
 import sys
 
 import pytest
+from tests.helpers.fake_stderr import FakeStderr
 
 from detlora.engine.runner.graph_capture import describe_capture_failure
 
@@ -121,17 +121,6 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
     assert runner.graphs is not None and runner.step_graphs is not None
 
 
-class _Stderr(io.StringIO):
-    """A stderr that says whether it is a terminal, whatever pytest's capture is."""
-
-    def __init__(self, tty: bool) -> None:
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 @pytest.mark.parametrize(("tty", "enabled", "total", "shown"), [
     (True, True, 3, True),
     (False, True, 3, False),  # stderr is not a terminal
@@ -142,7 +131,7 @@ def test_capture_progress_shows_only_on_a_terminal_with_graphs_to_capture(
         monkeypatch, tty, enabled, total, shown) -> None:
     from detlora.engine.runner.graph_capture import capture_progress
 
-    err = _Stderr(tty)
+    err = FakeStderr(tty)
     monkeypatch.setattr(sys, "stderr", err)
     with capture_progress(total, enabled=enabled) as bar:
         assert bar.disable is not shown
@@ -170,7 +159,7 @@ def test_the_runner_counts_every_graph_it_captures(monkeypatch, progress) -> Non
             for _ in self.buckets:
                 args[-1]()
 
-    err = _Stderr(True)
+    err = FakeStderr(True)
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(mr, "DecodeGraphs", FakeGraphs)
     monkeypatch.setattr(mr, "StepGraphs", FakeGraphs)
