@@ -257,15 +257,19 @@ def _busy(before: dict, after: dict, wall: float) -> dict[str, float | None]:
             round((after[k] - before[k]) / wall, 3) for k in before}
 
 
+def _triton_cache() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
 def triton_kernels_cached() -> set[str]:
     """Entries of Triton's kernel cache: a compile in the server adds one."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    root = _triton_cache()
     return {p.name for p in root.iterdir()} if root.is_dir() else set()
 
 
 def compiled_since(before: set[str]) -> list[str]:
     """The kernels (by name) of the cache entries added since ``before``."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    root = _triton_cache()
     names = []
     for entry in sorted(triton_kernels_cached() - before):
         stems = {f.name.split(".")[0] for f in (root / entry).glob("*.json")
