@@ -32,11 +32,18 @@ def _load(path, max_rank=16):
 
 
 def _load_in_subprocess(paths: list[Path], timeout: float) -> list[tuple[float, str]]:
-    """(seconds, the error text or 'ok') of loading each path, in one fresh interpreter."""
+    """(seconds, the error text or 'ok') of loading each path, in one fresh interpreter. The
+    first path is loaded once untimed before: the interpreter's first load pays one-time
+    costs (lazy imports, torch's thread pool), up to a second on a loaded 2-core machine,
+    which are not the patterns' matching time."""
     code = (
         "import json, sys, time\n"
         "from tests.helpers.adapter_files import module_shapes\n"
         "from detlora.lora.peft_loader import load_peft_adapter\n"
+        "try:\n"
+        "    load_peft_adapter(sys.argv[1], module_shapes(), 16)\n"
+        "except ValueError:\n"
+        "    pass\n"
         "for path in sys.argv[1:]:\n"
         "    t = time.monotonic()\n"
         "    try:\n"
