@@ -128,6 +128,41 @@ def test_kernel_grouped_linear_is_the_ordered_sum_of_its_partials(kernels, m):
         grouped_linear.linear_partials(x[:, :128], w[:, :128], 8), b, dtype))
 
 
+@pytest.mark.parametrize("m", [1, 100])
+def test_kernel_groups_of_a_wide_layer_run_in_one_cta_with_the_same_sum(kernels, m):
+    """A layer wide enough for one chain per tile walks its groups in one CTA per tile
+    (``chunks_in_cta``): the ordered sum of the partials, bit for bit, at decode and
+    prefill row counts. Groups of two BLOCK_K blocks: one chain over all of K would differ."""
+    grouped_linear, matmul = kernels
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(m, 1024, generator=g).to(dev, dtype)
+    w = (torch.randn(1024, 1024, generator=g) * 0.05).to(dev, dtype)
+    b = torch.randn(1024, generator=g).to(dev, dtype)
+    split = matmul.KSplit.equal_groups(1024, 8, dtype)
+    cfg = matmul.matmul_config(m, 1024, 1024, dtype, split=split)
+    assert cfg.chunks_in_cta
+    one = grouped_linear.linear_grouped(x, w, b, 8)
+    parts = grouped_linear.linear_partials(x, w, 8)
+    assert torch.equal(one, sum_partials(parts, b, dtype))
+
+    def fp32(**how):  # fp32 outputs: no rounding hides a different sum
+        out = torch.empty(m, 1024, dtype=torch.float32, device=dev)
+        return matmul.linear(x, w, b, out=out, **how)
+
+    assert torch.equal(fp32(split=split), sum_partials(parts, b, torch.float32))
+    # The cross-CTA sum of the same split gives the same bits, at the default load width and
+    # at one BLOCK_K (the width changes the interpreter's dots, not the GPU's MMA steps).
+    for load_k in (cfg.load_k, 0):
+        in_cta = matmul.MatmulConfig(split, 16, 64, load_k=load_k, chunks_in_cta=True)
+        across = matmul.MatmulConfig(split, 16, 64, load_k=load_k)
+        assert torch.equal(fp32(config=in_cta), fp32(config=across)), load_k
+    # With two loads a group, one chain over all of K is another sum: the checks can fail.
+    chain = matmul.MatmulConfig(matmul.KSplit.one_chain(1024, dtype), 16, 64)
+    assert not torch.equal(fp32(config=in_cta), fp32(config=chain))
+
+
 def test_kernel_column_shards_keep_the_layers_k_split(kernels):
     """A quarter of a 1024-wide layer would split K in 4 chunks by its own width; with the
     layer's split (one chunk) its columns are the layer's, bit for bit."""

@@ -25,10 +25,10 @@ def _inputs(m, n, k, dtype, seed):
     return x, w, bias
 
 
-def _cfg(k, dtype, chunks, split, bm=16, bn=16, tma=True, flatten=True):
+def _cfg(k, dtype, chunks, split, bm=16, bn=16, tma=True, flatten=True, in_cta=False):
     """Small tiles and BLOCK_K 16, so the interpreter walks several tiles and chunks."""
     return mm.MatmulConfig(mm.KSplit.for_chunks(k, 16, chunks), bm, bn, split_ctas=split,
-                           tma=tma, flatten=flatten)
+                           tma=tma, flatten=flatten, chunks_in_cta=in_cta)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,6 +112,9 @@ def test_rows_bitwise_equal_across_paths_and_tiles(dtype, chunks, k):
         _cfg(k, dtype, chunks, False, flatten=False),
         _cfg(k, dtype, chunks, True, bm=32, bn=32),
         _cfg(k, dtype, chunks, False, bm=64, bn=32),
+        _cfg(k, dtype, chunks, True, in_cta=True),  # one CTA per tile walks the chunks
+        _cfg(k, dtype, chunks, True, tma=False, in_cta=True),
+        _cfg(k, dtype, chunks, True, bm=32, bn=32, in_cta=True),
     ]
     for cfg in variants:
         assert torch.equal(_linear32(x, w, bias, cfg, ws), ref), cfg
@@ -295,6 +298,9 @@ def _bad_calls():
         (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
                                                         block_n2=16, split_ctas=False)),
          "block_n2 needs split_ctas"),
+        (lambda: mm.matmul(a, b, config=mm.MatmulConfig(mm.KSplit.for_chunks(8, 16, 1), 16, 16,
+                                                        split_ctas=False, chunks_in_cta=True)),
+         "chunks_in_cta needs split_ctas"),
     ]
 
 
@@ -311,8 +317,10 @@ from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
 from detlora.ops import matmul as mm
 
 out = []
-for m, n, k, *skip in json.loads(sys.argv[1]):
-    cfg = mm.matmul_config(m, n, k)
+for m, n, k, *extra in json.loads(sys.argv[1]):
+    skip = bool(extra and extra[0])
+    groups = extra[1] if len(extra) > 1 else 0
+    cfg = mm.matmul_config(m, n, k, split=mm.KSplit.equal_groups(k, groups) if groups else None)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MULTI_CHUNK=cfg.k_split.num_chunks > 1,
                   TMA=True, B_KMAJOR=True, EVEN_K=True, BIAS=1, INPUT_PRECISION=None,
@@ -320,7 +328,8 @@ for m, n, k, *skip in json.loads(sys.argv[1]):
     if not cfg.split_ctas:
         consts.update(GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     else:
-        consts.update(BLOCK_N2=cfg.block_n2, SLOT_SKIP=bool(skip), GROUPS_P2=64 if skip else 2)
+        consts.update(BLOCK_N2=cfg.block_n2, SLOT_SKIP=skip, GROUPS_P2=64 if skip else 2,
+                      CHUNKS_IN_CTA=cfg.chunks_in_cta)
     fn = mm._mm_split_kernel if cfg.split_ctas else mm._mm_persistent_kernel
     types = {"a": f"tensordesc<bf16[{bm}, {bk}]>", "b": f"tensordesc<bf16[{bn}, {bk}]>",
              "b2": f"tensordesc<bf16[{cfg.block_n2 or bn}, {bk}]>"}
@@ -334,7 +343,8 @@ for m, n, k, *skip in json.loads(sys.argv[1]):
     spills = ptxas_spills(ptx)
     out.append({"shape": [m, n, k], "block_m": bm, "block_n2": cfg.block_n2,
                 "split": cfg.split_ctas,
-                "multi": cfg.k_split.num_chunks > 1, "ptx": ptx_summary(ptx),
+                "multi": cfg.k_split.num_chunks > 1, "in_cta": cfg.chunks_in_cta,
+                "ptx": ptx_summary(ptx),
                 "spills": spills, "smem": kernel.metadata.shared})
 print(json.dumps(out))
 """
@@ -348,13 +358,18 @@ def test_default_configs_compile_for_sm90_with_wgmma_tma_and_no_spills(sm90_comp
     # A 1024-row o_proj call runs a two-part tile (128 x (128 + 64), one CTA each).
     # The in_gemm qkv of Llama-3.1-8B with 64 rank-16 slots, skipping unused slots' tiles, at
     # batch 1 and 64.
+    # The 8-group K tree of Llama-3.2-3B's o (batch 64) and down (batch 1) walks its groups in
+    # one CTA per tile.
     shapes = [[1, 512, 4096], [4096, 512, 4096], [1, 3072, 3072], [4096, 5120, 3072],
               [64, 5120, 3072], [1024, 3072, 3072], [1, 9216, 4096, True],
-              [64, 9216, 4096, True]]
+              [64, 9216, 4096, True], [64, 3072, 3072, False, 8], [1, 3072, 8192, False, 8]]
     (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part, skip_1,
-     skip_64) = sm90_compile(_SM90_SCRIPT, shapes)
+     skip_64, groups_64, groups_1) = sm90_compile(_SM90_SCRIPT, shapes)
+    for r in (groups_64, groups_1):
+        assert r["split"] and r["multi"] and r["in_cta"], r
+        assert r["ptx"].get("atom.global.gpu.acq_rel.add.u32", 0) == 0, r  # no cross-CTA sum
     for r in (decode, prefill_multi, decode_single, prefill_single, decode_wide, two_part,
-              skip_1, skip_64):
+              skip_1, skip_64, groups_64, groups_1):
         assert r["spills"] == 0, r
         assert r["ptx"].get("cp.async.bulk", 0) > 0, r  # TMA loads
         assert r["smem"] <= 227 * 1024, r

@@ -168,6 +168,9 @@ class MatmulConfig:
     ``block_n2``: split path with one chunk only; a tile is ``block_n + block_n2`` columns,
     summed by two dots side by side (0: one part). Tile widths that are not powers of two let
     a few hundred rows fill every SM with one tile each.
+    ``chunks_in_cta``: split path with S > 1 only, one CTA per tile walks all S chunks, each a
+    chain from zero added to a running total in chunk order: the fp32 operations of the
+    cross-CTA sum without its scratch (for splits that exist for bits, not for parallelism).
     """
 
     k_split: KSplit
@@ -182,6 +185,7 @@ class MatmulConfig:
     programs_per_sm: int = 1
     load_k: int = 0
     block_n2: int = 0
+    chunks_in_cta: bool = False
 
     @property
     def block_k(self) -> int:
@@ -231,8 +235,13 @@ def matmul_config(
         fp32                   32x64 (4 warps) up to M = 32, else 64x64 (8 warps); split path
                                up to M = 64, persistent above
     """
-    ks = split or k_split(n if split_n is None else split_n, k, dtype)
+    own = k_split(n if split_n is None else split_n, k, dtype)
+    ks = split or own
     multi = ks.num_chunks > 1
+    # A given split of several chunks where the layer's own is one chain (a row-parallel
+    # layer's K groups): the chunks exist for bits, not to fill the GPU, so one CTA per tile
+    # walks them (``chunks_in_cta``) and the tiles are the one-chain tiles.
+    in_cta = multi and own.num_chunks == 1
     if dtype == torch.float32:
         # Full-fp32 dots run on FMA units: small tiles, and the same for every M.
         # (8 warps at 64x64: with 4, the FMA operands of TMA-loaded tiles spill on sm_90.)
@@ -245,22 +254,23 @@ def matmul_config(
         # column tiles, 6 of 128-wide loads in 64 column tiles; docs/decisions.md).
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         bn = 64
-        while bn > 16 and batch * cdiv(m, bm) * cdiv(n, bn) * ks.num_chunks < num_sms // 2:
+        ctas_per_tile = 1 if in_cta else ks.num_chunks
+        while bn > 16 and batch * cdiv(m, bm) * cdiv(n, bn) * ctas_per_tile < num_sms // 2:
             bn //= 2
         load_k = _widest_load(ks, k, 128 if bn == 64 else 256)
-        stages = 4 if multi or load_k >= 256 else 6
+        stages = 4 if ctas_per_tile > 1 or load_k >= 256 else 6
         return MatmulConfig(ks, bm, bn, num_warps=4, num_stages=stages, split_ctas=True,
-                            load_k=load_k)
+                            load_k=load_k, chunks_in_cta=in_cta)
     half = num_sms // 2
-    if not multi and batch * cdiv(m, 128) * cdiv(n, 256) < half:
-        # Unsplit, a few hundred rows: big tiles would leave most SMs idle, and every tiling
-        # has the same bits, so take the largest tile that still fills half the GPU, one CTA
-        # each (faster than the persistent tiles there).
+    if (not multi or in_cta) and batch * cdiv(m, 128) * cdiv(n, 256) < half:
+        # One chain per tile, a few hundred rows: big tiles would leave most SMs idle, and
+        # every tiling has the same bits, so take the largest tile that still fills half the
+        # GPU, one CTA each (faster than the persistent tiles there).
         tile = next((t for t in _GRID_TILES if batch * cdiv(m, t[0]) * cdiv(n, t[1]) >= half),
                     _GRID_TILES[-1])
         bm, bn, warps, stages, load_k = tile
         return MatmulConfig(ks, bm, bn, num_warps=warps, num_stages=stages, split_ctas=True,
-                            load_k=_widest_load(ks, k, load_k))
+                            load_k=_widest_load(ks, k, load_k), chunks_in_cta=in_cta)
     # Many rows: persistent CTAs over the tile shape with the least estimated time (waves of
     # tiles times the tile's cost). S > 1 keeps a running total beside the accumulator, which
     # leaves registers for 128x128 at most.
@@ -442,20 +452,22 @@ def _mm_split_kernel(
     BLOCK_K: tl.constexpr, MULTI_CHUNK: tl.constexpr, TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, EVEN_K: tl.constexpr, BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, SLOT_SKIP: tl.constexpr, GROUPS_P2: tl.constexpr,
+    CHUNKS_IN_CTA: tl.constexpr,
 ):
     # Grid: batch x M tiles x N tiles x chunks, chunk fastest, so the CTAs of one tile are
-    # scheduled together and the last one finds its partners' partials in L2.
+    # scheduled together and the last one finds its partners' partials in L2. CHUNKS_IN_CTA:
+    # batch x M tiles x N tiles, each CTA walking its tile's chunks with a running total.
     # A tile is BLOCK_N + BLOCK_N2 columns wide (BLOCK_N2 = 0: one part; one chunk only): a
     # second accumulator over the next BLOCK_N2 columns (``b2``: b, or its TMA descriptor for
     # [BLOCK_N2, BLOCK_K] boxes), so that widths that are not powers of two (192 = 128 + 64)
     # can spread a few hundred rows over every SM.
     pid = tl.program_id(0)
-    if MULTI_CHUNK:
-        chunk = pid % num_chunks
-        tile = pid // num_chunks
-    else:
-        chunk = 0
-        tile = pid
+    chunk = 0
+    tile = pid
+    if MULTI_CHUNK:  # noqa: SIM102 (constexpr tests)
+        if not CHUNKS_IN_CTA:
+            chunk = pid % num_chunks
+            tile = pid // num_chunks
     m_tiles = tl.cdiv(M, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N + BLOCK_N2)
     batch = tile // (m_tiles * n_tiles)
@@ -475,8 +487,14 @@ def _mm_split_kernel(
                                        stride_am, stride_bb, stride_bn, BLOCK_M, BLOCK_N2, TMA)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
 
-    lo = chunk * chunk_blocks
-    hi = tl.minimum(lo + chunk_blocks, tl.cdiv(K, BLOCK_K))
+    k_loads = tl.cdiv(K, BLOCK_K)
+    if CHUNKS_IN_CTA:
+        lo = 0
+        hi = k_loads
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        lo = chunk * chunk_blocks
+        hi = tl.minimum(lo + chunk_blocks, k_loads)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(lo, hi):
         a_blk, b_blk = _k_block(a, b, a_rows, b_cols, off_m, off_n, kb, K, stride_ak, stride_bk,
@@ -486,8 +504,16 @@ def _mm_split_kernel(
             b2_blk = _b_block(b2, b_cols2, off_n + BLOCK_N, kb, K, stride_bk, BLOCK_K, TMA,
                               B_KMAJOR, EVEN_K)
             acc2 = tl.dot(a_blk, b2_blk, acc2, input_precision=INPUT_PRECISION)
+        if CHUNKS_IN_CTA:  # noqa: SIM102 (a constexpr test apart from the runtime one)
+            # A chunk's chain ends: it joins the running total, the next starts from zero.
+            if ((kb + 1) % chunk_blocks == 0) | (kb == hi - 1):
+                total += acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    if MULTI_CHUNK:
+    if CHUNKS_IN_CTA:
+        _store_tile(c_ptr, bias_ptr, total, batch, off_m, off_n, M, N, stride_cb, stride_cm,
+                    stride_cn, stride_biasm, stride_biasn, BLOCK_M, BLOCK_N, BIAS)
+    elif MULTI_CHUNK:
         # Scratch holds [tile, chunk, BLOCK_M, BLOCK_N] partials, tile-local and contiguous.
         local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         parts = scratch_ptr + tile.to(tl.int64) * (num_chunks * BLOCK_M * BLOCK_N) + local
@@ -716,6 +742,9 @@ def _check_config(cfg: object, k: int, dtype: torch.dtype) -> MatmulConfig:
         raise ValueError(f"config.block_n2 must be 0 or a power of two >= 16, got {cfg.block_n2}")
     if cfg.block_n2 and (not cfg.split_ctas or cfg.k_split.num_chunks > 1):
         raise ValueError("config.block_n2 needs split_ctas=True and a k_split of one chunk")
+    if cfg.chunks_in_cta and not cfg.split_ctas:
+        raise ValueError("config.chunks_in_cta needs split_ctas=True (the persistent path "
+                         "always walks a tile's chunks in one CTA)")
     if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1 or cfg.group_m < 1:
         raise ValueError(f"config has invalid warps/stages/group_m: {cfg}")
     if dtype == torch.float32 and cfg.block_k > 64:
@@ -732,7 +761,7 @@ def _check_config(cfg: object, k: int, dtype: torch.dtype) -> MatmulConfig:
 
 
 def _workspace_need(cfg: MatmulConfig, batch: int, m: int, n: int) -> tuple[int, int]:
-    if not cfg.split_ctas or cfg.k_split.num_chunks == 1:
+    if not cfg.split_ctas or cfg.k_split.num_chunks == 1 or cfg.chunks_in_cta:
         return 0, 0
     tiles = batch * cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     return tiles * cfg.k_split.num_chunks * cfg.block_m * cfg.block_n, tiles
@@ -842,7 +871,7 @@ _STAGE_CAP: dict[tuple, int] = {}
 
 def _stage_key(cfg: MatmulConfig, out_dtype: torch.dtype) -> tuple:
     return (cfg.block_m, cfg.block_n, cfg.block_n2, cfg.block_k, cfg.num_warps, cfg.num_stages,
-            cfg.split_ctas, cfg.tma, out_dtype)
+            cfg.split_ctas, cfg.chunks_in_cta, cfg.tma, out_dtype)
 
 
 def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, common,
@@ -871,10 +900,11 @@ def _launch_kernel(cfg, a_arg, b_arg, b2_arg, out, bias_arg, a, batch, m, n, k, 
             # Sized for the most groups the slots allow, not this call's count: one compiled
             # kernel per engine, whatever the batch.
             skip, groups_p2 = True, max(2, triton.next_power_of_2(g.num_adapters + 1))
-        _mm_split_kernel[(tiles * ks.num_chunks,)](
+        ctas_per_tile = 1 if cfg.chunks_in_cta else ks.num_chunks
+        _mm_split_kernel[(tiles * ctas_per_tile,)](
             a_arg, b_arg, b2_arg, out, bias_arg, scratch, counters, *groups_args[:2],
             m, n, k, ks.num_chunks, chunk_loads, *groups_args[2:], BLOCK_N2=cfg.block_n2,
-            SLOT_SKIP=skip, GROUPS_P2=groups_p2, **common,
+            SLOT_SKIP=skip, GROUPS_P2=groups_p2, CHUNKS_IN_CTA=cfg.chunks_in_cta, **common,
         )
     else:
         programs = min(tiles, _num_sms(a.device) * cfg.programs_per_sm)
