@@ -53,15 +53,19 @@ def targets(data: dict) -> list[tuple[str, str]]:
     perf = [r for r in data["performance"] if r.get("e2e_vs_atomic") is not None
             and r["reduction"] != "atomic"]
     if perf:
-        by: dict[str, list[float]] = {}
+        # Per model: one model's best configuration says nothing of another's.
+        by: dict[str, dict[str, list[float]]] = {}
         for r in perf:
-            by.setdefault(f"{r['model']}: {r['level']}/{r['reduction']}", []).append(
-                r["e2e_vs_atomic"])
-        name, ratios = min(by.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+            by.setdefault(r["model"], {}).setdefault(
+                f"{r['model']}: {r['level']}/{r['reduction']}", []).append(r["e2e_vs_atomic"])
+        best = []
+        for configs in by.values():
+            name, ratios = min(configs.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+            best.append(f"{name}: end-to-end time {100 * (sum(ratios) / len(ratios) - 1):+.2f}%"
+                        f" against atomic on average over batches (worst "
+                        f"{100 * (max(ratios) - 1):+.2f}%)")
         out.append(("the best deterministic reduction within 2% of atomic end to end",
-                    f"{name}: end-to-end time {100 * (sum(ratios) / len(ratios) - 1):+.2f}% "
-                    f"against atomic on average over batches (worst "
-                    f"{100 * (max(ratios) - 1):+.2f}%)"))
+                    "; ".join(best)))
     else:
         out.append(("the best deterministic reduction within 2% of atomic end to end",
                     "not measured (needs a GPU)"))
