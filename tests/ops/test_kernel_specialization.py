@@ -31,7 +31,9 @@ BATCH_DEPENDENT = [
     (softmax._softmax_stats_kernel, {"stats_plane"}, set()),
     (softmax._softmax_kernel, {"stats_plane"}, set()),
     (softmax._log_softmax_kernel, {"stats_plane"}, set()),
-    (softmax._chosen_logprob_kernel, {"stats_plane"}, set()),
+    # One scalar a row through the caller's views (c=16 serving compiled one mid-level).
+    (softmax._chosen_logprob_kernel, {"stats_plane", "stride_index", "stride_out"},
+     {"index_ptr", "out_ptr", "stats_ptr"}),
     (rms_norm._rms_norm_kernel, {"n_rows"}, set()),
     (rms_norm._fused_add_rms_norm_kernel, {"n_rows"}, set()),
     (matmul._mm_split_kernel, {"M", "num_groups"}, {"group_adapter_ptr", "group_size_ptr"}),
@@ -168,3 +170,49 @@ def test_graph_and_eager_launches_of_any_batch_share_a_specialization(sm90_compi
     keys = sm90_compile(_BINDER_SCRIPT, cases)
     assert len(keys) == len(cases)
     assert all(k == keys[0] for k in keys[1:])
+
+
+_CHOSEN_SCRIPT = r"""
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from detlora.ops import softmax
+
+softmax.check_same_device = lambda **tensors: None  # CPU tensors: nothing is launched here
+kernel = softmax._chosen_logprob_kernel
+binder = create_function_from_signature(kernel.signature, kernel.params,
+                                        make_backend(GPUTarget("cuda", 90, 32)))
+
+class Record:
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+        return launch
+
+def key(rows, views):
+    x = torch.zeros(rows, 1000, dtype=torch.bfloat16)
+    index = torch.zeros(rows, dtype=torch.int64)
+    out = torch.zeros(rows, dtype=torch.float64)
+    if views:  # the sampler's head: a column of [T, 3], and an index sliced one element in
+        out = torch.zeros(rows, 3, dtype=torch.float64)[:, 1]
+        index = torch.zeros(rows + 1, dtype=torch.int64)[1:]
+    rec = Record()
+    softmax._chosen_logprob_kernel = rec
+    try:
+        softmax.chosen_logprob(x, index, out=out)
+    finally:
+        softmax._chosen_logprob_kernel = kernel
+    _, spec, _ = binder(*rec.args, **rec.kwargs)
+    return [str(s) for s in spec]
+
+print(json.dumps([key(*c) for c in json.loads(sys.argv[1])]))
+"""
+
+
+def test_chosen_logprob_views_share_a_specialization(sm90_compile):
+    """A column of the sampler's head or a contiguous output, an index sliced or not, any
+    row count: one compiled variant."""
+    keys = sm90_compile(_CHOSEN_SCRIPT, [(1, False), (16, True), (5, True), (64, False)])
+    assert len(keys) == 4 and all(k == keys[0] for k in keys[1:])

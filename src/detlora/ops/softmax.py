@@ -150,7 +150,12 @@ def _log_softmax_kernel(x_ptr, y_ptr, stats_ptr, stride_x, stride_y, stats_plane
     tl.store(y, ((x - m) - tl.log(s)).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["stats_plane"])
+# The index and output are one scalar a row, read and written through views whose strides
+# and offsets follow the caller (a column of the sampler's [T, 3] head, or a slice): a
+# specialization on them would compile another variant in the middle of serving (the stats
+# pointer is the output itself when one chunk holds the row).
+@triton.jit(do_not_specialize=["stats_plane", "stride_index", "stride_out"],
+            do_not_specialize_on_alignment=["index_ptr", "out_ptr", "stats_ptr"])
 def _chosen_logprob_kernel(x_ptr, index_ptr, out_ptr, stats_ptr, stride_x, stride_index,
                            stride_out, stats_plane, V: tl.constexpr, CHUNK: tl.constexpr,
                            NUM_CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
