@@ -16,7 +16,10 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    cores the server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and
    streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc), the
    engine's steps in the level from the server's /metrics (``engine_busy``: their summed wall
-   time over the level's, below 1 when the engine waited for requests; ``steps_over_100ms``),
+   time over the level's, below 1 when the engine waited for requests or on the front end;
+   ``engine_send_blocked``: the share it spent handing outputs over, long when the front end
+   reads them late; ``frontend_step_delay_mean_ms``: from the front end receiving a step's
+   outputs to its event loop handling them; ``steps_over_100ms``),
    the server's own mean time to first token and its admission part (front end to engine
    process), beside the clients' mean (the difference is HTTP and request handling)
    and the Triton kernels (names) the server compiled meanwhile. Each level starts with an untimed
@@ -29,7 +32,8 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
 
 Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
 "itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu",
-"engine_steps", "engine_busy", "steps_over_100ms", "server_ttft_mean_ms",
+"engine_steps", "engine_busy", "engine_send_blocked", "frontend_step_delay_mean_ms",
+"steps_over_100ms", "server_ttft_mean_ms",
 "server_admission_mean_ms", "kernels_compiled"}],
 "offline_batch64_tok_per_s",
 "decisions": {"requests_per_s", "repetitions", "questions", "changed"}}.
@@ -283,7 +287,10 @@ _SCRAPED = {"detlora:engine_step_seconds_count": "steps",
             'detlora:engine_step_seconds_bucket{le="0.1"}': "steps_le_0.1",
             "detlora:time_to_first_token_seconds_count": "firsts",
             "detlora:time_to_first_token_seconds_sum": "ttft_s",
-            "detlora:request_admission_seconds_sum": "admission_s"}
+            "detlora:request_admission_seconds_sum": "admission_s",
+            "detlora:engine_output_send_seconds_sum": "send_s",
+            "detlora:frontend_step_delay_seconds_count": "dispatches",
+            "detlora:frontend_step_delay_seconds_sum": "dispatch_delay_s"}
 
 
 def server_figures(url: str) -> dict[str, float]:
@@ -302,13 +309,19 @@ def server_figures(url: str) -> dict[str, float]:
 
 def _step_row(before: dict, after: dict, wall: float, kernels: list[str]) -> dict[str, Any]:
     """The server's side of a level: engine steps, the share of the wall the engine spent
-    stepping (below 1: it waited for requests), steps over 0.1 s, the server's mean time to
+    stepping (below 1: it waited for requests or on the front end), the share it spent
+    handing outputs to a front end that read them late (``engine_send_blocked``), the mean
+    delay from the front end receiving a step's outputs to its event loop handling them,
+    steps over 0.1 s, the server's mean time to
     first token and its admission part (from the front end's add_request to the engine
     process), and the Triton kernels compiled meanwhile."""
     d = {k: after[k] - before[k] for k in after}
     firsts = max(1.0, d["firsts"])
     return {"engine_steps": int(d["steps"]),
             "engine_busy": round(d["step_s"] / wall, 3),
+            "engine_send_blocked": round(d["send_s"] / wall, 3),
+            "frontend_step_delay_mean_ms": round(
+                1e3 * d["dispatch_delay_s"] / max(1.0, d["dispatches"]), 3),
             "steps_over_100ms": int(d["steps"] - d["steps_le_0.1"]),
             "server_ttft_mean_ms": round(1e3 * d["ttft_s"] / firsts, 3),
             "server_admission_mean_ms": round(1e3 * d["admission_s"] / firsts, 3),

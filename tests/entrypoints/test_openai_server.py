@@ -358,6 +358,11 @@ def test_disconnect_mid_stream_frees_pages(server):
     # Every token came out of an engine step, timed in the engine process.
     steps = _metric(url, "detlora:engine_step_seconds_count")
     assert steps > 0 and _metric(url, "detlora:engine_step_seconds_sum") > 0
+    # Each step message after the first says how long its predecessor's hand-over took, and
+    # the front end times each one from receipt to its event loop.
+    assert 0 < _metric(url, "detlora:engine_output_send_seconds_count") < steps + 8
+    assert _metric(url, "detlora:frontend_step_delay_seconds_count") >= steps
+    assert _metric(url, "detlora:frontend_step_delay_seconds_sum") > 0
     # Each request's admission (front end to engine) is part of its time to first token.
     admitted = _metric(url, "detlora:request_admission_seconds_count")
     assert admitted == _metric(url, "detlora:time_to_first_token_seconds_count") > 0

@@ -209,6 +209,11 @@ class AsyncLLM:
         self.on_crash: Callable[[str], None] | None = None
         # Called with the wall time of every engine step, as the engine process measured it.
         self.on_step: Callable[[float], None] | None = None
+        # Called with how long the engine process took to hand a step's outputs over (long:
+        # the pipe was full), and with the delay from receiving a step's outputs to the event
+        # loop handling them (long: the loop was busy).
+        self.on_send: Callable[[float], None] | None = None
+        self.on_dispatch_delay: Callable[[float], None] | None = None
         self._sender = threading.Thread(target=self._send_loop, name="detlora-send",
                                         daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="detlora-receive",
@@ -389,7 +394,7 @@ class AsyncLLM:
             if msg is None:
                 self._loop.call_soon_threadsafe(self._engine_gone)
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            self._loop.call_soon_threadsafe(self._dispatch, msg, time.monotonic())
 
     def _engine_gone(self) -> None:
         if self._dead is None:
@@ -402,12 +407,14 @@ class AsyncLLM:
                 fut.set_exception(EngineDeadError(self._dead))
         self._calls.clear()
 
-    def _dispatch(self, msg: tuple) -> None:
+    def _dispatch(self, msg: tuple, received: float | None = None) -> None:
         kind = msg[0]
         if kind == "step":
-            _, deltas, accepted, rejected, stats, seconds = msg
+            _, deltas, accepted, rejected, stats, seconds, send_seconds = msg
             streams = self._streams
             now = time.monotonic()
+            if received is not None and self.on_dispatch_delay is not None:
+                self.on_dispatch_delay(now - received)
             for rid, taken in accepted:
                 s = streams.get(rid)
                 if s is not None and not s.accepted.done():
@@ -425,6 +432,8 @@ class AsyncLLM:
             self.stats = stats
             if seconds is not None and self.on_step is not None:
                 self.on_step(seconds)
+            if send_seconds is not None and self.on_send is not None:
+                self.on_send(send_seconds)
         elif kind == "result":
             _, call_id, ok, value = msg
             fut = self._calls.pop(call_id, None)

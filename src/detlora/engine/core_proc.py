@@ -18,7 +18,8 @@ front end -> core
 
 core -> front end
     ("ready", EngineInfo) or ("failed", message)   once, after the engine is built
-    ("step", [Delta], accepted, rejected, EngineStats, step seconds or None)
+    ("step", [Delta], accepted, rejected, EngineStats, step seconds or None,
+     send seconds or None)      the last: how long handing the previous message over took
     ("result", id, ok, value)
     ("crashed", message)      a step raised: every request in flight was dropped
 """
@@ -110,6 +111,7 @@ class EngineCore:
         self._stop = False
         self._drain = False
         self._num_aborted = 0
+        self._send_seconds: float | None = None
 
     def stats(self) -> EngineStats:
         e = self.engine
@@ -202,11 +204,14 @@ class EngineCore:
             stats = self.stats()
             if deltas or self._accepted or self._rejected or stats != self._last_stats \
                     or seconds is not None:
+                # A send blocks while the pipe is full: the front end reads late.
+                sent = time.perf_counter()
                 try:
                     self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats,
-                                        seconds))
+                                        seconds, self._send_seconds))
                 except OSError:
                     return  # the front end is gone
+                self._send_seconds = time.perf_counter() - sent
                 self._accepted, self._rejected, self._last_stats = [], [], stats
 
 

@@ -54,6 +54,14 @@ class ServerMetrics:
                               "in the engine process (schedule, launch, read the tokens): "
                               "its sum over a span of time is how busy the engine was",
                               buckets=_STEP_BUCKETS, registry=r)
+        self.send = Histogram("detlora:engine_output_send_seconds", "Time the engine process "
+                              "took to hand each step's outputs to the front end (long when "
+                              "the front end reads them late and the pipe is full)",
+                              buckets=_STEP_BUCKETS, registry=r)
+        self.dispatch_delay = Histogram("detlora:frontend_step_delay_seconds", "From the front "
+                                        "end receiving a step's outputs to its event loop "
+                                        "handling them (long when the loop is busy)",
+                                        buckets=_STEP_BUCKETS, registry=r)
         self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("detlora:num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("detlora:kv_cache_usage_perc", "Fraction of KV pages in use "
@@ -76,6 +84,8 @@ class ServerMetrics:
                          determinism=llm.info.determinism).set(1)
         llm.on_delta = self.on_delta
         llm.on_step = self.step.observe
+        llm.on_send = self.send.observe
+        llm.on_dispatch_delay = self.dispatch_delay.observe
 
     def on_delta(self, stream: RequestStream, num_tokens: int) -> None:
         """Called for every delta the engine sends (on the event loop)."""
