@@ -119,16 +119,19 @@ def test_unread_constexprs_do_not_follow_the_batch():
 # Run without the interpreter (sm90_compile's subprocess): Triton's own launcher binder, for an
 # sm_90 target, computes each launch's specialization from the real arguments; a batch-shape
 # or graph-versus-eager difference must not show in it.
-_BINDER_SCRIPT = r"""
+def _binder_script(module: str, kernel: str, body: str) -> str:
+    """A script that binds ``module.kernel``'s launches for sm_90 (``binder``, ``Record``:
+    a stand-in kernel keeping the last launch's arguments) and then runs ``body``."""
+    return f"""
 import json, sys
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
-from detlora.ops import paged_attention as pa
+from detlora.ops import {module} as mod
 
-pa.check_same_device = lambda **tensors: None  # CPU tensors: nothing is launched here
-kernel = pa._paged_attention_kernel
+mod.check_same_device = lambda **tensors: None  # CPU tensors: nothing is launched here
+kernel = mod.{kernel}
 binder = create_function_from_signature(kernel.signature, kernel.params,
                                         make_backend(GPUTarget("cuda", 90, 32)))
 
@@ -137,6 +140,11 @@ class Record:
         def launch(*args, **kwargs):
             self.args, self.kwargs = args, kwargs
         return launch
+""" + body
+
+
+_BINDER_SCRIPT = _binder_script("paged_attention", "_paged_attention_kernel", r"""
+pa = mod
 
 def key(num_seqs, blocks, views):
     hq, hk, d, page = 6, 2, 16, 4
@@ -161,7 +169,7 @@ def key(num_seqs, blocks, views):
 
 cases = json.loads(sys.argv[1])
 print(json.dumps([key(*c) for c in cases]))
-"""
+""")
 
 
 def test_graph_and_eager_launches_of_any_batch_share_a_specialization(sm90_compile):
@@ -172,24 +180,8 @@ def test_graph_and_eager_launches_of_any_batch_share_a_specialization(sm90_compi
     assert all(k == keys[0] for k in keys[1:])
 
 
-_CHOSEN_SCRIPT = r"""
-import json, sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
-from detlora.ops import softmax
-
-softmax.check_same_device = lambda **tensors: None  # CPU tensors: nothing is launched here
-kernel = softmax._chosen_logprob_kernel
-binder = create_function_from_signature(kernel.signature, kernel.params,
-                                        make_backend(GPUTarget("cuda", 90, 32)))
-
-class Record:
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.args, self.kwargs = args, kwargs
-        return launch
+_CHOSEN_SCRIPT = _binder_script("softmax", "_chosen_logprob_kernel", r"""
+softmax = mod
 
 def key(rows, views):
     x = torch.zeros(rows, 1000, dtype=torch.bfloat16)
@@ -208,7 +200,7 @@ def key(rows, views):
     return [str(s) for s in spec]
 
 print(json.dumps([key(*c) for c in json.loads(sys.argv[1])]))
-"""
+""")
 
 
 def test_chosen_logprob_views_share_a_specialization(sm90_compile):
