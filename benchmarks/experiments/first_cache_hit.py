@@ -17,39 +17,18 @@ import time
 from pathlib import Path
 
 import torch
-from triton import knobs
 
 from benchmarks.harness import results_meta, write_results
+from benchmarks.harness.compile_events import CompileRecorder
 from benchmarks.suites.prefix_cache import PrefixPlan, make_llm, write_assets
 
 EVENTS: list[dict] = []
-_STARTED: dict[tuple, float] = {}
-
-
-def _pre(**kw) -> bool:
-    _STARTED[kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)] = time.perf_counter()
-    return False  # never skip the compile
-
-
-def _post(**kw) -> None:
-    key = kw["key"] if isinstance(kw["key"], tuple) else (kw["key"],)
-    start = _STARTED.pop(key, None)
-    EVENTS.append({"kernel": kw["fn"].name, "seconds": None if start is None
-                   else round(time.perf_counter() - start, 3), "args": _specialization(kw)})
-
-
-def _specialization(kw) -> dict:
-    """The compile's specialization key, raw, beside the kernel's parameter names. The hook's
-    own ``repr`` cannot be used: Triton 3.6 builds it from the wrong element of the key and
-    prints only ``(q_ptr: (``."""
-    return {"params": [p.name for p in kw["fn"].jit_function.params], "key": str(kw["key"])}
 
 
 def main(out_path: str, quick: bool = False) -> None:
     from detlora import SamplingParams
     plan = PrefixPlan.quick() if quick else PrefixPlan()
-    knobs.runtime.jit_cache_hook = _pre
-    knobs.runtime.jit_post_compile_hook = _post
+    CompileRecorder(EVENTS.append).install()
     batches = []
     with tempfile.TemporaryDirectory(prefix="detlora-first-hit-") as tmp:
         model_dir, lora, prompts = write_assets(Path(tmp), plan)

@@ -22,7 +22,9 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    outputs to its event loop handling them; ``steps_over_100ms``),
    the server's own mean time to first token and its admission part (front end to engine
    process), beside the clients' mean (the difference is HTTP and request handling)
-   and the Triton kernels (names) the server compiled meanwhile. Each level starts with an untimed
+   and the Triton kernels (names) the server compiled meanwhile, with each compilation's
+   process, seconds and specialization key (``compile_events``, from Triton's JIT hooks in the
+   server's processes: ``benchmarks.harness.compile_events``). Each level starts with an untimed
    run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server that has
    seen such traffic before (``warmup_kernels_compiled``: what it compiled).
 3. Decisions: 1,000 one-question noul requests with an adapter (distinct states), requests/s of
@@ -54,6 +56,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import compile_events
 
 # concurrency -> requests sent: eight waves at 64 and four at 256, so that the ramp and the
 # tail of a closed loop do not weigh on the steady state (two waves at 64 did: 0.88x).
@@ -199,7 +203,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: Path, plan: Plan, log: Path) -> tuple[str, subprocess.Popen]:
+def start_server(root: Path, plan: Plan, log: Path,
+                 compile_log: Path | None = None) -> tuple[str, subprocess.Popen]:
+    """``detlora serve`` on the plan's assets; with ``compile_log`` its processes append their
+    Triton compilations there (``benchmarks.harness.compile_events``)."""
     import httpx
 
     port = _free_port()
@@ -211,7 +218,14 @@ def start_server(root: Path, plan: Plan, log: Path) -> tuple[str, subprocess.Pop
            "--max-loras", str(a["max_loras"]), "--max-lora-rank", str(a["max_lora_rank"]),
            "--max-model-len", str(a["max_model_len"]), "--max-num-seqs",
            str(a["max_num_seqs"]), "--max-queued-requests", "4096", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = dict(os.environ)
+    if compile_log is not None:
+        repo = Path(__file__).resolve().parents[2]
+        hooks = repo / "benchmarks" / "harness" / "sitecustomize"
+        env[compile_events.ENV] = str(compile_log)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(hooks), str(repo), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -383,7 +397,9 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
             f"alone vs batched differing {offline['alone_differing']}")
         refs, fingerprints = offline["refs"], offline["fingerprints"]
         pool = requests_pool(plan, shape.vocab, len(refs))
-        url, proc = start_server(root, plan, root / "server.log")
+        compiles = root / "compiles.jsonl"
+        url, proc = start_server(root, plan, root / "server.log", compile_log=compiles)
+        _, compiled_to = compile_events.read_events(compiles)  # the start-up's
         try:
             warm = [LoadRequest("completion", {**b, "max_tokens": 4}) for b in pool[:32]]
             run_load_processes(url, warm, concurrency=32, processes=1, api_key=KEY)
@@ -400,6 +416,7 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                                    api_key=KEY, deadline_s=300)
                 warm_kernels = compiled_since(kernels)
                 cpu, steps, kernels = server_cpu(proc), server_figures(url), triton_kernels_cached()
+                _, compiled_to = compile_events.read_events(compiles, compiled_to)
                 t0 = time.perf_counter()
                 results = run_load_processes(url, reqs, concurrency=concurrency,
                                              processes=procs, api_key=KEY, deadline_s=300)
@@ -408,6 +425,8 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                        **_busy(cpu, server_cpu(proc), wall),
                        **_step_row(steps, server_figures(url), wall, compiled_since(kernels)),
                        "warmup_kernels_compiled": warm_kernels}
+                events, compiled_to = compile_events.read_events(compiles, compiled_to)
+                row["compile_events"] = events
                 rows.append(row)
                 log(json.dumps(row))
                 errors = [r.error for r in results if not r.ok][:3]

@@ -1,0 +1,22 @@
+"""Imported by Python at start-up in every process whose PYTHONPATH holds this folder (the
+serving suite's server, front end and engine process): records Triton compilations when
+DETLORA_COMPILE_LOG is set (``benchmarks.harness.compile_events``; the repository root must be
+on PYTHONPATH too). Then runs the interpreter's own sitecustomize, if any, which this one
+shadows."""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+if os.environ.get("DETLORA_COMPILE_LOG"):
+    from benchmarks.harness.compile_events import install_from_env
+
+    install_from_env()
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _rest)
+if _spec is not None and _spec.loader is not None:
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
