@@ -15,7 +15,8 @@
 #                     tensor-parallel-tests (2+ GPUs for most)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
-#                     profile-levels profile-bi-large profile-overlap | attention-tiles
+#                     profile-levels profile-bi-large profile-overlap profile-adapters
+#                     | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
 #                     shrink-chunks | multi-lora | serving (installs .whl/*.whl first: the
 #                     server's wheels)
@@ -158,6 +159,12 @@ for step in "${steps[@]}"; do
                --out "$OUT/profile_engine.json" || status=1 ;;
     profile-levels) python3 -m benchmarks.suites.profile_engine --modes run_to_run,batch_invariant \
                       --batches 1,64 --tokens 16 --out "$OUT/profile_levels.json" || status=1 ;;
+    # A batch-64 step with its rows on 1 adapter, then spread over 8 and 32 (one slot each).
+    profile-adapters)
+      for n in 1 8 32; do
+        python3 -m benchmarks.suites.profile_engine --modes batch_invariant --batches 64 \
+          --tokens 16 --adapters "$n" --out "$OUT/profile_adapters_$n.json" || status=1
+      done ;;
     profile-bi-large) python3 -m benchmarks.suites.profile_engine --modes batch_invariant \
                         --batches 64,256 --tokens 16 --out "$OUT/profile_bi_large.json" \
                         || status=1 ;;

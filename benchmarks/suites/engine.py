@@ -191,6 +191,8 @@ class Workload:
 
         self.plan = plan
         self.loras = loras
+        # Row k of a batch on adapter k % len(loras), instead of the first adapter everywhere.
+        self.spread = False
         n = max(plan.prompts, *plan.throughput_batches)
         g = torch.Generator().manual_seed(1234)
         self.prompts = torch.randint(10, plan.shape.vocab - 10, (n, plan.prompt_len),
@@ -211,6 +213,8 @@ class Workload:
         params = self.params_1 if one_token else self.params
         if loras is not None:
             lr: list[Any] | None = list(loras)
+        elif self.spread and self.loras:
+            lr = [self.loras[k % len(self.loras)] for k in range(len(idx))]
         else:  # the first adapter everywhere (none when the workload has no adapters)
             lr = [self.loras[0]] * len(idx) if self.loras else None
         return llm.generate([self.prompts[k] for k in idx], [params[k] for k in idx], lr,

@@ -22,6 +22,7 @@ For each determinism level and batch size, on the model of ``suites.engine``:
   host, not the GPU, sets the pace), and the host's time by function in a second plain run.
 
     python -m benchmarks.suites.profile_engine --out out/profile_engine.json [--layers 28]
+        [--adapters N]   (each batch's rows spread over N adapters in N slots)
 """
 
 from __future__ import annotations
@@ -323,25 +324,32 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
 def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
         batches: tuple[int, ...] = (1, 64), lora: bool = True,
-        lora_reduction: str | None = None, overlap: bool = False) -> dict[str, Any]:
+        lora_reduction: str | None = None, overlap: bool = False,
+        adapters: int = 1) -> dict[str, Any]:
+    """``adapters`` > 1: that many adapters in as many slots, a batch's rows spread over them
+    (row k on adapter k % adapters), to see which kernels grow with the adapters in a step."""
     from detlora import LoRARequest
 
     plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
                    output_len=tokens, throughput_batches=batches)
     out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora,
-                                    "lora_reduction": lora_reduction}, "rows": []}
+                                    "lora_reduction": lora_reduction, "adapters": adapters},
+                           "rows": []}
     with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
-        be.write_adapter(root / "adapter0", plan.shape, seed=10)
-        be.write_adapter(root / "adapter1", plan.shape, seed=11)
-        loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(2)]
-        w = be.Workload(plan, loras if lora else [])
+        count = max(2, adapters)
+        for k in range(count):
+            be.write_adapter(root / f"adapter{k}", plan.shape, seed=10 + k)
+        loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(count)]
+        w = be.Workload(plan, loras[:max(1, adapters)] if lora else [])
+        w.spread = adapters > 1
         for mode in modes:
             llm = be.make_engine(root / "model", mode, plan, enable_lora=lora,
-                             lora_reduction=lora_reduction)
+                                 lora_reduction=lora_reduction, max_loras=count)
             label = mode if lora else f"{mode}-nolora"
             label += f"-{lora_reduction}" if lora_reduction else ""
+            label += f"-{adapters}adapters" if adapters > 1 else ""
             if overlap:
                 for b in batches:
                     ov = {"mode": label, **_overlap(llm, w, b)}
@@ -367,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="override every level's LoRA reduction (e.g. in_gemm)")
     parser.add_argument("--no-lora", action="store_true",
                         help="the base model alone (no LoRA slots, no adapters)")
+    parser.add_argument("--adapters", type=int, default=1,
+                        help="spread each batch's rows over this many adapters (one slot each)")
     parser.add_argument("--overlap", action="store_true",
                         help="also time a plain generate against its GPU busy time")
     args = parser.parse_args(argv)
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
                batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
-               lora_reduction=args.lora_reduction, overlap=args.overlap)
+               lora_reduction=args.lora_reduction, overlap=args.overlap,
+               adapters=args.adapters)
     from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m benchmarks.suites.profile_engine", *(argv or sys.argv[1:])])
