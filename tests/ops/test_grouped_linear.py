@@ -102,16 +102,22 @@ def kernels():
     return grouped_linear, matmul
 
 
+def _fp16_inputs(m: int, n: int, k: int, seed: int):
+    """x [m, k], w [n, k] * 0.05 and b [n], fp16 on the kernels' device."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dev, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dev, torch.float16)
+    b = torch.randn(n, generator=g).to(dev, torch.float16)
+    return dev, x, w, b
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_kernel_grouped_linear_is_the_ordered_sum_of_its_partials(kernels, m):
     """fp16: the interpreter computes bf16 dots wrongly (bf16 runs in tests/gpu)."""
     grouped_linear, matmul = kernels
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(m, 512, generator=g).to(dev, dtype)
-    w = (torch.randn(48, 512, generator=g) * 0.05).to(dev, dtype)
-    b = torch.randn(48, generator=g).to(dev, dtype)
+    _, x, w, b = _fp16_inputs(m, 48, 512, seed=4)
     split = matmul.KSplit.equal_groups(512, 8, dtype)
     assert split is not None and split.num_chunks == 8  # one launch, the groups as chunks
     parts = grouped_linear.linear_partials(x, w, 8)
@@ -134,12 +140,8 @@ def test_kernel_groups_of_a_wide_layer_run_in_one_cta_with_the_same_sum(kernels,
     (``chunks_in_cta``): the ordered sum of the partials, bit for bit, at decode and
     prefill row counts. Groups of two BLOCK_K blocks: one chain over all of K would differ."""
     grouped_linear, matmul = kernels
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(m, 1024, generator=g).to(dev, dtype)
-    w = (torch.randn(1024, 1024, generator=g) * 0.05).to(dev, dtype)
-    b = torch.randn(1024, generator=g).to(dev, dtype)
+    dev, x, w, b = _fp16_inputs(m, 1024, 1024, seed=6)
     split = matmul.KSplit.equal_groups(1024, 8, dtype)
     cfg = matmul.matmul_config(m, 1024, 1024, dtype, split=split)
     assert cfg.chunks_in_cta
