@@ -407,13 +407,14 @@ class AsyncLLM:
                 fut.set_exception(EngineDeadError(self._dead))
         self._calls.clear()
 
-    def _dispatch(self, msg: tuple, received: float | None = None) -> None:
+    def _dispatch(self, msg: tuple, received: float) -> None:
+        """Handle one message of the engine process, ``received`` (monotonic) by the thread."""
         kind = msg[0]
         if kind == "step":
             _, deltas, accepted, rejected, stats, seconds, send_seconds = msg
             streams = self._streams
             now = time.monotonic()
-            if received is not None and self.on_dispatch_delay is not None:
+            if self.on_dispatch_delay is not None:
                 self.on_dispatch_delay(now - received)
             for rid, taken in accepted:
                 s = streams.get(rid)
