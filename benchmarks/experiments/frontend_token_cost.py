@@ -62,9 +62,11 @@ def run(concurrency: int, requests: int, profile: str | None) -> dict[str, Any]:
                                api_key=serving.KEY)
             for rep in range(2):
                 before, t0 = serving.server_cpu(proc), time.perf_counter()
+                clients: list[float] = []
                 res = run_load_processes(url, [LoadRequest("completion", b) for b in pool],
                                          concurrency=concurrency, processes=2,
-                                         api_key=serving.KEY, deadline_s=600)
+                                         api_key=serving.KEY, deadline_s=600,
+                                         client_cpu=clients)
                 wall, after = time.perf_counter() - t0, serving.server_cpu(proc)
                 tokens = sum(r.ok for r in res) * OUTPUT_TOKENS
                 rows.append({
@@ -73,7 +75,8 @@ def run(concurrency: int, requests: int, profile: str | None) -> dict[str, Any]:
                     "frontend_us_per_token": round(
                         1e6 * (after["frontend"] - before["frontend"]) / tokens, 1),
                     "engine_us_per_token": round(
-                        1e6 * (after["engine"] - before["engine"]) / tokens, 1)})
+                        1e6 * (after["engine"] - before["engine"]) / tokens, 1),
+                    "client_us_per_token": round(1e6 * sum(clients) * wall / tokens, 1)})
                 print(rows[-1], flush=True)
         finally:
             proc.terminate()

@@ -174,23 +174,32 @@ async def run_load(url: str, requests: list[LoadRequest], *, concurrency: int,
 
 
 def _run_slice(url: str, requests: list[LoadRequest], concurrency: int, api_key: str | None,
-               deadline_s: float, first: int, start_at: float | None = None) -> list[LoadResult]:
-    """One client process's share; with ``start_at`` (a ``time.time()``), it waits until
-    then, so that processes that took different times to start begin together."""
+               deadline_s: float, first: int, start_at: float | None = None,
+               ) -> tuple[list[LoadResult], float]:
+    """One client process's share and the share of a core it kept busy meanwhile; with
+    ``start_at`` (a ``time.time()``), it waits until then, so that processes that took
+    different times to start begin together."""
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.time()))
-    return asyncio.run(run_load(url, requests, concurrency=concurrency, api_key=api_key,
-                                deadline_s=deadline_s, first_index=first))
+    cpu, wall = time.process_time(), time.perf_counter()
+    results = asyncio.run(run_load(url, requests, concurrency=concurrency, api_key=api_key,
+                                   deadline_s=deadline_s, first_index=first))
+    return results, (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
 
 
 def run_load_processes(url: str, requests: list[LoadRequest], *, concurrency: int,
                        processes: int, api_key: str | None = None,
-                       deadline_s: float = 600.0) -> list[LoadResult]:
+                       deadline_s: float = 600.0,
+                       client_cpu: list[float] | None = None) -> list[LoadResult]:
     """``run_load`` split over ``processes`` client processes (one Python process cannot parse
-    the SSE of hundreds of fast streams without becoming the bottleneck)."""
+    the SSE of hundreds of fast streams without becoming the bottleneck). ``client_cpu``, when
+    given, gets each process's busy share of a core (near 1.0: the clients are the limit)."""
     check_loopback(url)
     if processes <= 1:
-        return _run_slice(url, requests, concurrency, api_key, deadline_s, 0)
+        results, cpu = _run_slice(url, requests, concurrency, api_key, deadline_s, 0)
+        if client_cpu is not None:
+            client_cpu.append(cpu)
+        return results
     import multiprocessing as mp
 
     size = -(-len(requests) // processes)
@@ -204,7 +213,10 @@ def run_load_processes(url: str, requests: list[LoadRequest], *, concurrency: in
                                start_at) for first, part in slices if part]
         out: list[LoadResult] = []
         for f in futures:
-            out += f.result()
+            results, cpu = f.result()
+            out += results
+            if client_cpu is not None:
+                client_cpu.append(cpu)
     return out
 
 

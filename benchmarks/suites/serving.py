@@ -10,23 +10,24 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
    the reference output of every request (all 1,024 in one call, plus a few alone: they must
    agree).
 2. The server (``detlora serve``), then at concurrency 1, 16, 64 and 256 (4, 64, 512 and 1,024
-   requests; client processes past 16 clients): output tok/s over the level's wall time, time to
-   first token and inter-token latency (p50, p99, at the client), failed requests, and outputs
-   that differ from the offline reference (token ids and logprobs, bit for bit), and the
-   cores the server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and
-   streams; ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc), the
-   engine's steps in the level from the server's /metrics (``engine_busy``: their summed wall
-   time over the level's, below 1 when the engine waited for requests or on the front end;
-   ``engine_send_blocked``: the share it spent handing outputs over, long when the front end
-   reads them late; ``frontend_step_delay_mean_ms``: from the front end receiving a step's
-   outputs to its event loop handling them; ``steps_over_100ms``),
-   the server's own mean time to first token and its admission part (front end to engine
-   process), beside the clients' mean (the difference is HTTP and request handling)
-   and the Triton kernels (names) the server compiled meanwhile, with each compilation's
-   process, seconds and specialization key (``compile_events``, from Triton's JIT hooks in the
-   server's processes: ``benchmarks.harness.compile_events``). Each level starts with an untimed
-   run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server that has
-   seen such traffic before (``warmup_kernels_compiled``: what it compiled).
+   requests; ``client_processes``): output tok/s over the level's wall time, time to first
+   token and inter-token latency (p50, p99, at the client), failed requests, and outputs that
+   differ from the offline reference (token ids and logprobs, bit for bit); the cores the
+   server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and streams;
+   ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc) and each client
+   process's busy share (``client_cpu``); the engine's steps in the level from the server's
+   /metrics (``engine_busy``: their summed wall time over the level's, below 1 when the
+   engine waited for requests or on the front end; ``engine_idle``: the share it waited with
+   no request to run; ``engine_send_blocked``: the share it spent handing outputs over, long
+   when the front end reads them late; ``frontend_step_delay_mean_ms``: from the front end
+   receiving a step's outputs to its event loop handling them; ``steps_over_100ms``); the
+   server's own mean time to first token and its admission part (front end to engine
+   process), beside the clients' mean (the difference is HTTP and request handling); and the
+   Triton kernels (names) the server compiled meanwhile, with each compilation's process,
+   seconds and specialization key (``compile_events``, from Triton's JIT hooks in the
+   server's processes: ``benchmarks.harness.compile_events``). Each level starts with an
+   untimed run of ``concurrency`` short requests (8 tokens) at that concurrency, as a server
+   that has seen such traffic before (``warmup_kernels_compiled``: what it compiled).
 3. Decisions: 1,000 one-question noul requests with an adapter (distinct states), requests/s of
    the first pass; 10 passes in all, and how many probabilities changed from the first.
 
@@ -34,7 +35,8 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
 
 Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
 "itl_p50_ms", "itl_p99_ms", "requests", "failed", "differing", "frontend_cpu", "engine_cpu",
-"engine_steps", "engine_busy", "engine_send_blocked", "frontend_step_delay_mean_ms",
+"client_cpu", "engine_steps", "engine_busy", "engine_send_blocked", "engine_idle",
+"frontend_step_delay_mean_ms",
 "steps_over_100ms", "server_ttft_mean_ms",
 "server_admission_mean_ms", "kernels_compiled"}],
 "offline_batch64_tok_per_s",
@@ -197,6 +199,14 @@ def _chosen_logprobs(out: Any) -> list[float]:
                                                            strict=True)]
 
 
+def client_processes(concurrency: int) -> int:
+    """Client processes for a level: eight streams each, up to eight processes. A client parses
+    each streamed token at about twice the server front end's CPU cost (on this project's
+    CPU, ``frontend_token_cost``), so few processes would measure the clients; each one's
+    busy share is in the row (``client_cpu``)."""
+    return min(8, max(1, concurrency // 8))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -304,7 +314,8 @@ _SCRAPED = {"detlora:engine_step_seconds_count": "steps",
             "detlora:request_admission_seconds_sum": "admission_s",
             "detlora:engine_output_send_seconds_sum": "send_s",
             "detlora:frontend_step_delay_seconds_count": "dispatches",
-            "detlora:frontend_step_delay_seconds_sum": "dispatch_delay_s"}
+            "detlora:frontend_step_delay_seconds_sum": "dispatch_delay_s",
+            "detlora:engine_idle_seconds_total": "idle_s"}
 
 
 def server_figures(url: str) -> dict[str, float]:
@@ -324,7 +335,8 @@ def server_figures(url: str) -> dict[str, float]:
 def _step_row(before: dict, after: dict, wall: float, kernels: list[str]) -> dict[str, Any]:
     """The server's side of a level: engine steps, the share of the wall the engine spent
     stepping (below 1: it waited for requests or on the front end), the share it spent
-    handing outputs to a front end that read them late (``engine_send_blocked``), the mean
+    handing outputs to a front end that read them late (``engine_send_blocked``), the share
+    it waited with no request to run (``engine_idle``: the load was the limit), the mean
     delay from the front end receiving a step's outputs to its event loop handling them,
     steps over 0.1 s, the server's mean time to
     first token and its admission part (from the front end's add_request to the engine
@@ -334,6 +346,7 @@ def _step_row(before: dict, after: dict, wall: float, kernels: list[str]) -> dic
     return {"engine_steps": int(d["steps"]),
             "engine_busy": round(d["step_s"] / wall, 3),
             "engine_send_blocked": round(d["send_s"] / wall, 3),
+            "engine_idle": round(d["idle_s"] / wall, 3),
             "frontend_step_delay_mean_ms": round(
                 1e3 * d["dispatch_delay_s"] / max(1.0, d["dispatches"]), 3),
             "steps_over_100ms": int(d["steps"] - d["steps_le_0.1"]),
@@ -406,7 +419,7 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
             rows = []
             for concurrency, n in plan.levels:
                 reqs = [LoadRequest("completion", b) for b in pool[:n]]
-                procs = 1 if concurrency <= 16 else 4
+                procs = client_processes(concurrency)
                 # A short untimed run at this concurrency first: the step shapes of its
                 # first wave compile their kernels there, not in the timed run.
                 kernels = triton_kernels_cached()
@@ -415,15 +428,21 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                 run_load_processes(url, warm, concurrency=concurrency, processes=procs,
                                    api_key=KEY, deadline_s=300)
                 warm_kernels = compiled_since(kernels)
-                cpu, steps, kernels = server_cpu(proc), server_figures(url), triton_kernels_cached()
+                kernels = triton_kernels_cached()
                 _, compiled_to = compile_events.read_events(compiles, compiled_to)
                 t0 = time.perf_counter()
+                cpu, steps = server_cpu(proc), server_figures(url)
+                clients: list[float] = []
                 results = run_load_processes(url, reqs, concurrency=concurrency,
-                                             processes=procs, api_key=KEY, deadline_s=300)
+                                             processes=procs, api_key=KEY, deadline_s=300,
+                                             client_cpu=clients)
+                # The server's figures first: its counters go on (idle time) meanwhile.
+                cpu_after, steps_after = server_cpu(proc), server_figures(url)
                 wall = time.perf_counter() - t0
                 row = {**level_row(concurrency, results, refs, fingerprints),
-                       **_busy(cpu, server_cpu(proc), wall),
-                       **_step_row(steps, server_figures(url), wall, compiled_since(kernels)),
+                       "client_cpu": [round(c, 3) for c in clients],
+                       **_busy(cpu, cpu_after, wall),
+                       **_step_row(steps, steps_after, wall, compiled_since(kernels)),
                        "warmup_kernels_compiled": warm_kernels}
                 events, compiled_to = compile_events.read_events(compiles, compiled_to)
                 row["compile_events"] = events

@@ -368,6 +368,23 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert admitted == _metric(url, "detlora:time_to_first_token_seconds_count") > 0
     assert _metric(url, "detlora:request_admission_seconds_sum") <= _metric(
         url, "detlora:time_to_first_token_seconds_sum")
+    # Time with nothing to run counts as the engine's idle time, the wait going on included.
+    idle = _metric(url, "detlora:engine_idle_seconds_total")
+    time.sleep(0.3)
+    assert _metric(url, "detlora:engine_idle_seconds_total") >= idle + 0.3
+    # While it steps it is not idle: both together, read within a span, fit in it.
+    t0 = time.monotonic()
+    idle = _metric(url, "detlora:engine_idle_seconds_total")
+    steps = _metric(url, "detlora:engine_step_seconds_sum")
+    r = httpx.post(url + "/v1/completions", headers=headers, timeout=60,
+                   json={**body, "stream": False, "max_tokens": 40})
+    assert r.status_code == 200
+    busy = _metric(url, "detlora:engine_step_seconds_sum") - steps
+    idle = _metric(url, "detlora:engine_idle_seconds_total") - idle
+    assert busy > 0 and idle > 0 and busy + idle < time.monotonic() - t0 + 0.01
+    idle = _metric(url, "detlora:engine_idle_seconds_total")
+    time.sleep(0.3)
+    assert idle + 0.3 <= _metric(url, "detlora:engine_idle_seconds_total") < idle + 5
     text = httpx.get(url + "/metrics").text
     assert 'detlora:http_requests_total{route="/v1/completions",status="200"}' in text
     # Adapter traffic: --lora-modules read the tox adapter into the host cache at start.

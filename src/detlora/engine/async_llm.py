@@ -214,6 +214,9 @@ class AsyncLLM:
         # loop handling them (long: the loop was busy).
         self.on_send: Callable[[float], None] | None = None
         self.on_dispatch_delay: Callable[[float], None] | None = None
+        self._idle_reported = 0.0  # the engine process's waits with nothing to run, so far
+        self._idle_since: float | None = None  # and the one going on (monotonic), if any
+        self._idle_read = 0.0
         self._sender = threading.Thread(target=self._send_loop, name="detlora-send",
                                         daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="detlora-receive",
@@ -275,6 +278,16 @@ class AsyncLLM:
     @property
     def num_unfinished(self) -> int:
         return self._num_unfinished
+
+    def engine_idle_seconds(self) -> float:
+        """How long the engine process has waited with no request to run, up to now (under
+        load: the clients or this front end, not the engine, were the limit)."""
+        since = self._idle_since
+        now = self._idle_reported + (time.monotonic() - since if since is not None else 0.0)
+        # A wait the engine has ended but not reported yet was read a little too long: never
+        # read less than before (it is a counter).
+        self._idle_read = max(self._idle_read, now)
+        return self._idle_read
 
     @property
     def is_alive(self) -> bool:
@@ -411,7 +424,9 @@ class AsyncLLM:
         """Handle one message of the engine process, ``received`` (monotonic) by the thread."""
         kind = msg[0]
         if kind == "step":
-            _, deltas, accepted, rejected, stats, seconds, send_seconds = msg
+            (_, deltas, accepted, rejected, stats, seconds, send_seconds, idle_seconds,
+             self._idle_since) = msg
+            self._idle_reported += idle_seconds
             streams = self._streams
             now = time.monotonic()
             if self.on_dispatch_delay is not None:

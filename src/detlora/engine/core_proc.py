@@ -19,7 +19,11 @@ front end -> core
 core -> front end
     ("ready", EngineInfo) or ("failed", message)   once, after the engine is built
     ("step", [Delta], accepted, rejected, EngineStats, step seconds or None,
-     send seconds or None)      the last: how long handing the previous message over took
+     send seconds or None, idle seconds, idle since or None)
+                              send: how long handing the previous message over took; idle:
+                              how long the loop waited with no request to run since the
+                              previous message; idle since: the monotonic time it began
+                              waiting, while it still waits
     ("result", id, ok, value)
     ("crashed", message)      a step raised: every request in flight was dropped
 """
@@ -112,6 +116,9 @@ class EngineCore:
         self._drain = False
         self._num_aborted = 0
         self._send_seconds: float | None = None
+        self._idle_seconds = 0.0  # waited with nothing to run, not yet reported
+        self._idle_since: float | None = None  # waiting with nothing to run since then
+        self._sent_idle_since: float | None = None
 
     def stats(self) -> EngineStats:
         e = self.engine
@@ -188,6 +195,9 @@ class EngineCore:
                     timeout = 0.0
             except (EOFError, OSError):
                 return  # the front end is gone
+            if self._idle_since is not None and (engine.has_unfinished() or self._stop):
+                self._idle_seconds += time.monotonic() - self._idle_since
+                self._idle_since = None
             if self._stop and not (self._drain and engine.has_unfinished()):
                 engine.abort_all()
                 return
@@ -201,17 +211,21 @@ class EngineCore:
                     self.conn_out.send(("crashed", _describe(e)))
                     engine.abort_all()
                 seconds = time.perf_counter() - start
+            if self._idle_since is None and not engine.has_unfinished():
+                self._idle_since = time.monotonic()  # nothing left: the wait starts now
             stats = self.stats()
             if deltas or self._accepted or self._rejected or stats != self._last_stats \
-                    or seconds is not None:
+                    or seconds is not None or self._idle_since != self._sent_idle_since:
                 # A send blocks while the pipe is full: the front end reads late.
                 sent = time.perf_counter()
                 try:
                     self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats,
-                                        seconds, self._send_seconds))
+                                        seconds, self._send_seconds, self._idle_seconds,
+                                        self._idle_since))
                 except OSError:
                     return  # the front end is gone
                 self._send_seconds = time.perf_counter() - sent
+                self._idle_seconds, self._sent_idle_since = 0.0, self._idle_since
                 self._accepted, self._rejected, self._last_stats = [], [], stats
 
 

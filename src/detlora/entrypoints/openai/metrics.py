@@ -17,6 +17,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from detlora.engine.async_llm import AsyncLLM, RequestStream
 
@@ -25,6 +27,20 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 
 _STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05,
                  0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineIdle(Collector):
+    """``detlora:engine_idle_seconds``: a counter read at scrape time, the wait going on
+    included."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(
+            "detlora:engine_idle_seconds", "Time the engine process waited with no request "
+            "to run (under load: the clients or the front end, not the engine, were the "
+            "limit)", value=self.llm.engine_idle_seconds())]
 
 
 class ServerMetrics:
@@ -62,6 +78,7 @@ class ServerMetrics:
                                         "end receiving a step's outputs to its event loop "
                                         "handling them (long when the loop is busy)",
                                         buckets=_STEP_BUCKETS, registry=r)
+        r.register(_EngineIdle(llm))
         self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("detlora:num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("detlora:kv_cache_usage_perc", "Fraction of KV pages in use "
