@@ -32,6 +32,7 @@
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
 #                     matmul-two-part matmul-two-part-rule matmul-unsplit-tiles pdl-decode
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
+#                     serving-timeline (the server's wheels from .whl/)
 #                     shared-inflight-pages vendor-gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -202,6 +203,8 @@ for step in "${steps[@]}"; do
     cublas-kernels) experiment cublas_kernel_choice cublas_kernel_choice.json || status=1 ;;
     expand-group-cap) experiment expand_group_cap expand_group_cap.json || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
+    serving-timeline) server_wheels
+                      experiment serving_timeline serving_timeline.json || status=1 ;;
     fused-lora-norm) experiment fused_lora_norm fused_lora_ops.json || status=1 ;;
     fused-qkv) experiment fused_qkv_rotary fused_qkv_rotary.json || status=1 ;;
     l2-read) experiment l2_read_bandwidth l2_read_bandwidth.json || status=1 ;;

@@ -227,9 +227,10 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
     def sampler(logits: torch.Tensor, reqs: Any, greedy: Any = None) -> Any:
         return launch(logits, reqs, greedy=greedy).result()
 
-    def sample_and_keep(logits: torch.Tensor, reqs: Any, greedy: Any = None) -> Any:
+    def sample_and_keep(logits: torch.Tensor, reqs: Any, greedy: Any = None,
+                        fed: Any = None) -> Any:
         last_sample.update(logits=logits, reqs=reqs, greedy=greedy)
-        pending = launch(logits, reqs, greedy=greedy)
+        pending = launch(logits, reqs, greedy=greedy, fed=fed)
         pending.result()  # the whole sampling inside this phase (the step ahead waits)
         return pending
 

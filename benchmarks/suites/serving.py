@@ -213,10 +213,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: Path, plan: Plan, log: Path,
-                 compile_log: Path | None = None) -> tuple[str, subprocess.Popen]:
+def start_server(root: Path, plan: Plan, log: Path, compile_log: Path | None = None,
+                 engine_trace: Path | None = None) -> tuple[str, subprocess.Popen]:
     """``detlora serve`` on the plan's assets; with ``compile_log`` its processes append their
-    Triton compilations there (``benchmarks.harness.compile_events``)."""
+    Triton compilations there (``benchmarks.harness.compile_events``), with ``engine_trace``
+    its engine process writes its loop's timeline there at exit
+    (``benchmarks.harness.engine_trace``)."""
     import httpx
 
     port = _free_port()
@@ -229,10 +231,13 @@ def start_server(root: Path, plan: Plan, log: Path,
            "--max-model-len", str(a["max_model_len"]), "--max-num-seqs",
            str(a["max_num_seqs"]), "--max-queued-requests", "4096", "--log-level", "warning"]
     env = dict(os.environ)
-    if compile_log is not None:
+    if compile_log is not None or engine_trace is not None:
         repo = Path(__file__).resolve().parents[2]
         hooks = repo / "benchmarks" / "harness" / "sitecustomize"
-        env[compile_events.ENV] = str(compile_log)
+        if compile_log is not None:
+            env[compile_events.ENV] = str(compile_log)
+        if engine_trace is not None:
+            env["DETLORA_ENGINE_TRACE"] = str(engine_trace)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(hooks), str(repo), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -47,3 +47,15 @@ def test_decode_graphs_have_what_the_profiler_reads():
     for name in ("stage", "bucket_for"):
         assert callable(getattr(DecodeGraphs, name, None)), name
     assert "self.graphs" in inspect.getsource(DecodeGraphs.__init__)
+
+
+def test_the_sampler_launch_takes_what_the_profiler_passes_on(tiny_llm):
+    """profile_engine replaces sampler.launch with a wrapper that passes each keyword on: a
+    new one must reach the wrapper too (``fed`` once did not, and only the GPU found out)."""
+    from benchmarks.suites import profile_engine
+
+    wrapper = inspect.getsource(profile_engine)
+    launch = inspect.signature(tiny_llm.engine.sampler.launch).parameters
+    for name in launch:
+        if name not in ("logits", "requests"):
+            assert f"{name}={name}" in wrapper, f"profile_engine does not pass {name!r} on"

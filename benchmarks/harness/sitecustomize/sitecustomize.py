@@ -1,7 +1,8 @@
 """Imported by Python at start-up in every process whose PYTHONPATH holds this folder (the
 serving suite's server, front end and engine process): records Triton compilations when
-DETLORA_COMPILE_LOG is set (``benchmarks.harness.compile_events``; the repository root must be
-on PYTHONPATH too). Then runs the interpreter's own sitecustomize, if any, which this one
+DETLORA_COMPILE_LOG is set (``benchmarks.harness.compile_events``) and the engine process's loop
+when DETLORA_ENGINE_TRACE is set (``benchmarks.harness.engine_trace``); the repository root must
+be on PYTHONPATH too. Then runs the interpreter's own sitecustomize, if any, which this one
 shadows."""
 
 import importlib.machinery
@@ -13,6 +14,10 @@ if os.environ.get("DETLORA_COMPILE_LOG"):
     from benchmarks.harness.compile_events import install_from_env
 
     install_from_env()
+if os.environ.get("DETLORA_ENGINE_TRACE"):
+    from benchmarks.harness import engine_trace
+
+    engine_trace.install_from_env()
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
