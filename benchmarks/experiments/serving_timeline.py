@@ -52,7 +52,7 @@ def level_timeline(trace: list[dict[str, Any]], results: list[Any], t0: float,
                    t1: float) -> dict[str, Any]:
     """The engine's loop over [t0, t1] (monotonic) against the clients' requests."""
     wall = t1 - t0
-    inside = [e for e in trace if e["t1"] > t0 and e["t0"] < t1]
+    inside = [e for e in trace if "t1" in e and e["t1"] > t0 and e["t0"] < t1]
     steps = [e for e in inside if e["kind"] == "step"]
     idle = [e for e in inside if e["kind"] == "poll" and e["timeout"]]
     sends = [e for e in inside if e["kind"] == "send"]
@@ -66,12 +66,7 @@ def level_timeline(trace: list[dict[str, Any]], results: list[Any], t0: float,
         open_ = [r for r in results if r.start <= mid < r.end]
         first = [r for r in open_ if r.ttft is not None and r.start + r.ttft <= mid]
         at_idle.append((len(open_), len(first)))
-    ends = sorted(r.end for r in results)
-    starts = sorted(r.start for r in results)
-    # Each request after the first wave starts when some earlier one ended: pair the k-th
-    # start past the first wave with the k-th end.
-    wave = sum(1 for s in starts if s - starts[0] < 0.005)
-    turnaround = [s - e for s, e in zip(starts[wave:], ends, strict=False)]
+    lifecycle = _lifecycle(trace, results)
     return {
         "wall_s": round(wall, 4),
         "engine_step_share": round(step_s / wall, 4),
@@ -90,9 +85,38 @@ def level_timeline(trace: list[dict[str, Any]], results: list[Any], t0: float,
         if at_idle else None,
         "streaming_requests_at_idle_mean": round(statistics.mean(b for _, b in at_idle), 2)
         if at_idle else None,
-        "client_turnaround": _stats([x for x in turnaround if x >= 0]),
         "client_ttft": _stats([r.ttft for r in results if r.ttft is not None]),
+        "request_lifecycle": lifecycle,
     }
+
+
+def _lifecycle(trace: list[dict[str, Any]], results: list[Any]) -> dict[str, Any]:
+    """Each request's life in segments (the engine's events matched by the answer's id):
+    client send to engine receipt, receipt to first token (queue and prefill), first token to
+    finish (decode), engine finish to the client's last token (delivery), last token to the
+    end of the answer, and the client's turnaround to its next request."""
+    at: dict[str, dict[str, float]] = {}
+    for e in trace:
+        if e["kind"] in ("add", "first", "finish"):
+            at.setdefault(e["rid"].rsplit("-", 2)[0], {})[e["kind"]] = e["t"]
+    seg: dict[str, list[float]] = {k: [] for k in (
+        "to_engine", "to_first_token", "decode", "delivery", "answer_end", "turnaround")}
+    by_client: dict[tuple, list[Any]] = {}
+    for r in results:
+        by_client.setdefault(tuple(r.client), []).append(r)
+        e = at.get(r.response_id or "", {})
+        if not r.ok or len(e) < 3 or r.last_token is None:
+            continue
+        seg["to_engine"].append(e["add"] - r.start)
+        seg["to_first_token"].append(e["first"] - e["add"])
+        seg["decode"].append(e["finish"] - e["first"])
+        seg["delivery"].append(r.last_token - e["finish"])
+        seg["answer_end"].append(r.end - r.last_token)
+    for rs in by_client.values():
+        rs.sort(key=lambda r: r.start)
+        seg["turnaround"] += [b.start - a.end for a, b in itertools.pairwise(rs)]
+    return {k: {**_stats(v), "mean_ms": round(1e3 * statistics.mean(v), 3) if v else None}
+            for k, v in seg.items()}
 
 
 def run(levels: list[int], plan: serving.Plan) -> dict[str, Any]:

@@ -4,10 +4,11 @@ and each hand-over of outputs, with monotonic start and end times.
 With ``DETLORA_ENGINE_TRACE=FILE`` in the environment, ``install_from_env()`` (called at start-up
 by ``benchmarks/harness/sitecustomize/``) wraps the ``EngineCore`` that a server's engine process
 builds: its engine's ``step_sequences``, its input pipe's ``poll`` and its output pipe's
-``send``. Events go to FILE as JSON lines when the process exits (and every 4,096 events):
-``{"kind": "step", "t0", "t1", "rows", "running", "waiting"}``, ``{"kind": "poll", "t0", "t1",
-"timeout", "ready"}``, ``{"kind": "send", "t0", "t1"}``. Lab code: it changes nothing the engine
-computes, only times it from outside.
+``send``, and the requests it receives. Events go to FILE as JSON lines when the process exits
+(and every 4,096 events): ``{"kind": "step", "t0", "t1", "rows", "running", "waiting"}``,
+``{"kind": "poll", "t0", "t1", "timeout", "ready"}``, ``{"kind": "send", "t0", "t1"}``, and per
+request ``{"kind": "add" | "first" | "finish", "t", "rid"}`` (received; its first token read;
+finished). Lab code: it changes nothing the engine computes, only times it from outside.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class _TimedConn:
                              "timeout": timeout, "ready": bool(ready)})
         return ready
 
+    def recv(self) -> Any:
+        msg = self._conn.recv()
+        if msg[0] == "add":
+            self._trace.add({"kind": "add", "t": time.monotonic(), "rid": msg[1].request_id})
+        return msg
+
     def send(self, obj: Any) -> None:
         t0 = time.monotonic()
         self._conn.send(obj)
@@ -78,8 +85,14 @@ def install(path: str) -> None:
         def traced_step() -> Any:
             t0 = time.monotonic()
             out = step()
-            trace.add({"kind": "step", "t0": t0, "t1": time.monotonic(), "rows": len(out),
+            t1 = time.monotonic()
+            trace.add({"kind": "step", "t0": t0, "t1": t1, "rows": len(out),
                        "running": len(sched.running), "waiting": len(sched.waiting)})
+            for seq in out:
+                if seq.num_output_tokens == 1:
+                    trace.add({"kind": "first", "t": t1, "rid": seq.request_id})
+                if seq.is_finished:
+                    trace.add({"kind": "finish", "t": t1, "rid": seq.request_id})
             return out
 
         engine.step_sequences = traced_step

@@ -53,6 +53,9 @@ class LoadResult:
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
     answers: dict[str, Any] | None = None  # decision
     fingerprint: str | None = None
+    response_id: str | None = None  # the server's id of the answer
+    last_token: float | None = None  # when the last token arrived (monotonic)
+    client: tuple[int, int] = (0, 0)  # (first request index of its process, worker number)
 
     @property
     def output_tokens(self) -> int:
@@ -95,6 +98,7 @@ async def _completion(client: httpx.AsyncClient, url: str, body: dict, res: Load
                 return
             now = time.monotonic()
             res.fingerprint = chunk.get("system_fingerprint")
+            res.response_id = chunk.get("id")
             for c in chunk["choices"]:
                 ids = c.get("token_ids") or []
                 if ids:
@@ -102,7 +106,7 @@ async def _completion(client: httpx.AsyncClient, url: str, body: dict, res: Load
                         res.ttft = now - res.start
                     elif last is not None:
                         res.itl.extend([(now - last) / len(ids)] * len(ids))
-                    last = now
+                    last = res.last_token = now
                 slot = res.choices.setdefault(c["index"], {"token_ids": [], "logprobs": [],
                                                            "finish_reason": None})
                 slot["token_ids"] += ids
@@ -146,13 +150,14 @@ async def run_load(url: str, requests: list[LoadRequest], *, concurrency: int,
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(deadline_s),
                                  limits=limits, trust_env=False) as client:
 
-        async def worker() -> None:
+        async def worker(number: int) -> None:
             while True:
                 try:
                     i = todo.get_nowait()
                 except asyncio.QueueEmpty:
                     return
                 req, res = requests[i], results[i]
+                res.client = (first_index, number)
                 res.start = time.monotonic()
                 try:
                     if req.kind == "completion":
@@ -163,7 +168,7 @@ async def run_load(url: str, requests: list[LoadRequest], *, concurrency: int,
                     res.error = f"{type(e).__name__}: {e}"
                 res.end = time.monotonic()
 
-        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        workers = [asyncio.create_task(worker(k)) for k in range(concurrency)]
         try:
             await asyncio.wait_for(asyncio.gather(*workers), timeout=deadline_s)
         except asyncio.TimeoutError:
