@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -442,3 +443,31 @@ def test_load_outputs_equal_offline_alone(server, offline, assets):
         time.sleep(0.2)
     assert _metric(server[0], "detlora:kv_cache_usage_perc") == 0.0
     assert _metric(server[0], "detlora:num_requests_running") == 0
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The server's engine process (its one child, Linux /proc)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_a_dead_engine_fails_streams_and_health(assets):
+    """Killing the engine process mid-stream ends the stream with an error event, /health says
+    503 and new requests get 503: the front end notices the closed pipe at once."""
+    import signal
+
+    with running_server(assets[0], ["--graceful-timeout", "2"]) as (url, proc):
+        body = {"prompt": "yes no", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(x for x in lines if x.startswith("data: {"))
+            os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+            rest = list(lines)
+        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and "error" in x]
+        assert errors and errors[-1]["error"]["type"] == "server_error", rest[-3:]
+        assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]"
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert r.status_code == 503, r.text

@@ -3,8 +3,10 @@
 The engine steps in a process of its own (``core_proc``); this object, in the caller's
 process and event loop, sends it requests and aborts and turns what comes back into
 ``RequestOutput`` deltas (new token ids, logprobs, text that never splits a character, the
-finish reason). Two threads move the pickled messages (one sends, one receives), so neither a
-full pipe nor a long step ever blocks the event loop.
+finish reason). The pickled messages travel over two pipes that the event loop itself reads
+and writes without blocking (asyncio pipe transports): no helper thread, so no message waits
+for a thread to win the GIL from a busy loop, and neither a full pipe nor a long step ever
+blocks the loop.
 
     llm = await AsyncLLM.start(EngineArgs(model=...), tokenizer_dir=...)
     stream = await llm.add_request("r1", prompt_ids, SamplingParams(max_tokens=32))
@@ -28,10 +30,10 @@ import asyncio
 import dataclasses
 import itertools
 import os
-import queue
+import pickle
+import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -188,15 +190,15 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineArgs, tokenizer: Tokenizer | None, info: EngineInfo,
-                 process: Any, conn_in: Any, conn_out: Any, max_unfinished: int) -> None:
+                 process: Any, max_unfinished: int) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.info = info
         self.max_unfinished = max_unfinished
         self.stats: EngineStats | None = None
         self._process = process
-        self._conn_in = conn_in  # we send on it
-        self._conn_out = conn_out  # we receive on it
+        self._to_engine: asyncio.WriteTransport | None = None  # set by _open_pipes
+        self._from_engine: asyncio.ReadTransport | None = None
         self._loop = asyncio.get_running_loop()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -204,25 +206,18 @@ class AsyncLLM:
         self._fingerprints: dict[int, str] = {}
         self._num_unfinished = 0  # sequences added and not finished, aborted or refused
         self._dead: str | None = None
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self.on_delta: Callable[[RequestStream, int], None] | None = None  # metrics hook
         self.on_crash: Callable[[str], None] | None = None
         # Called with the wall time of every engine step, as the engine process measured it.
         self.on_step: Callable[[float], None] | None = None
         # Called with how long the engine process took to hand a step's outputs over (long:
-        # the pipe was full), and with the delay from receiving a step's outputs to the event
-        # loop handling them (long: the loop was busy).
+        # the pipe was full), and with the delay from the engine sending a step's outputs to
+        # the event loop handling them (long: the loop was busy).
         self.on_send: Callable[[float], None] | None = None
         self.on_dispatch_delay: Callable[[float], None] | None = None
         self._idle_reported = 0.0  # the engine process's waits with nothing to run, so far
         self._idle_since: float | None = None  # and the one going on (monotonic), if any
         self._idle_read = 0.0
-        self._sender = threading.Thread(target=self._send_loop, name="detlora-send",
-                                        daemon=True)
-        self._receiver = threading.Thread(target=self._receive_loop, name="detlora-receive",
-                                          daemon=True)
-        self._sender.start()
-        self._receiver.start()
 
     @classmethod
     async def start(cls, config: EngineArgs, *, tokenizer_dir: str | None = None,
@@ -266,7 +261,27 @@ class AsyncLLM:
             raise ValueError(f"the engine could not start: {reason}")
         info: EngineInfo = msg[1]
         limit = max_unfinished if max_unfinished is not None else 4 * info.max_num_seqs
-        return cls(config, tokenizer, info, process, in_send, out_recv, limit)
+        llm = cls(config, tokenizer, info, process, limit)
+        # The loop takes the pipes over from the start-up's blocking connections.
+        to_engine, from_engine = os.dup(in_send.fileno()), os.dup(out_recv.fileno())
+        in_send.close()
+        out_recv.close()
+        await llm._open_pipes(to_engine, from_engine)
+        return llm
+
+    async def _open_pipes(self, to_engine: int, from_engine: int) -> None:
+        loop = self._loop
+        self._to_engine, _ = await loop.connect_write_pipe(
+            asyncio.Protocol, os.fdopen(to_engine, "wb", buffering=0))
+        self._from_engine, _ = await loop.connect_read_pipe(
+            lambda: _MessageReader(self._dispatch, self._engine_gone),
+            os.fdopen(from_engine, "rb", buffering=0))
+
+    def _send(self, msg: tuple) -> None:
+        """Queue a message to the engine process (never blocks: the transport buffers)."""
+        if self._to_engine is not None and not self._to_engine.is_closing():
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            self._to_engine.write(struct.pack("!i", len(data)) + data)
 
     # ---- requests ----
 
@@ -325,7 +340,7 @@ class AsyncLLM:
         stream = RequestStream(self, req, prompt, self.on_delta, detokenize)
         self._streams[request_id] = stream
         self._num_unfinished += 1
-        self._outbox.put(("add", req))
+        self._send(("add", req))
         try:
             await stream.accepted
         except BaseException:
@@ -341,7 +356,7 @@ class AsyncLLM:
     def _abort_unfinished(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             self._forget(stream)
-            self._outbox.put(("abort", [stream.request_id]))
+            self._send(("abort", [stream.request_id]))
 
     def _forget(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -356,7 +371,7 @@ class AsyncLLM:
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._calls[call_id] = fut
-        self._outbox.put(("call", call_id, name, args))
+        self._send(("call", call_id, name, args))
         return await fut
 
     async def add_lora(self, lora: LoRARequest) -> str:
@@ -378,36 +393,20 @@ class AsyncLLM:
     async def shutdown(self, drain: bool = False, timeout: float = 30.0) -> None:
         """Stop the engine process (``drain``: after the requests it runs finish)."""
         if self._dead is None:
-            self._outbox.put(("shutdown", drain))
+            self._send(("shutdown", drain))
         try:
             await asyncio.to_thread(self._process.wait, timeout)
         except subprocess.TimeoutExpired:
             self._process.kill()
             await asyncio.to_thread(self._process.wait, 10)
         self._dead = self._dead or "the engine was shut down"
-        self._outbox.put(None)
+        for transport in (self._to_engine, self._from_engine):
+            if transport is not None:
+                transport.close()
         for stream in list(self._streams.values()):
             stream._fail(EngineDeadError(self._dead))
 
-    # ---- threads ----
-
-    def _send_loop(self) -> None:
-        while True:
-            msg = self._outbox.get()
-            if msg is None:
-                return
-            try:
-                self._conn_in.send(msg)
-            except (OSError, ValueError):
-                return
-
-    def _receive_loop(self) -> None:
-        while True:
-            msg = _recv_or_none(self._conn_out)
-            if msg is None:
-                self._loop.call_soon_threadsafe(self._engine_gone)
-                return
-            self._loop.call_soon_threadsafe(self._dispatch, msg, time.monotonic())
+    # ---- the engine's messages ----
 
     def _engine_gone(self) -> None:
         if self._dead is None:
@@ -420,17 +419,17 @@ class AsyncLLM:
                 fut.set_exception(EngineDeadError(self._dead))
         self._calls.clear()
 
-    def _dispatch(self, msg: tuple, received: float) -> None:
-        """Handle one message of the engine process, ``received`` (monotonic) by the thread."""
+    def _dispatch(self, msg: tuple) -> None:
+        """Handle one message of the engine process (on the event loop)."""
         kind = msg[0]
         if kind == "step":
             (_, deltas, accepted, rejected, stats, seconds, send_seconds, idle_seconds,
-             self._idle_since) = msg
+             self._idle_since, sent_at) = msg
             self._idle_reported += idle_seconds
             streams = self._streams
             now = time.monotonic()
             if self.on_dispatch_delay is not None:
-                self.on_dispatch_delay(now - received)
+                self.on_dispatch_delay(max(0.0, now - sent_at))
             for rid, taken in accepted:
                 s = streams.get(rid)
                 if s is not None and not s.accepted.done():
@@ -464,6 +463,38 @@ class AsyncLLM:
                 stream._fail(RuntimeError("the engine failed a step; the request was dropped"))
             if self.on_crash is not None:
                 self.on_crash(msg[1])
+
+
+class _MessageReader(asyncio.Protocol):
+    """Cuts the engine's pipe into ``multiprocessing.Connection`` frames (a 4-byte big-endian
+    length, or -1 and an 8-byte length, then the pickle) and hands each message on."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_closed: Callable[[], None]) -> None:
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        start = 0
+        while len(buf) - start >= 4:
+            (size,) = struct.unpack_from("!i", buf, start)
+            head = 4
+            if size == -1:
+                if len(buf) - start < 12:
+                    break
+                (size,) = struct.unpack_from("!Q", buf, start + 4)
+                head = 12
+            if len(buf) - start < head + size:
+                break
+            msg = pickle.loads(bytes(buf[start + head:start + head + size]))
+            start += head + size
+            self._on_message(msg)
+        del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_closed()
 
 
 def _recv_or_none(conn: Any) -> Any:

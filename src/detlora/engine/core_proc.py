@@ -19,11 +19,12 @@ front end -> core
 core -> front end
     ("ready", EngineInfo) or ("failed", message)   once, after the engine is built
     ("step", [Delta], accepted, rejected, EngineStats, step seconds or None,
-     send seconds or None, idle seconds, idle since or None)
+     send seconds or None, idle seconds, idle since or None, sent at)
                               send: how long handing the previous message over took; idle:
                               how long the loop waited with no request to run since the
                               previous message; idle since: the monotonic time it began
-                              waiting, while it still waits
+                              waiting, while it still waits; sent at: this message's
+                              monotonic time of sending
     ("result", id, ok, value)
     ("crashed", message)      a step raised: every request in flight was dropped
 """
@@ -217,14 +218,14 @@ class EngineCore:
             if deltas or self._accepted or self._rejected or stats != self._last_stats \
                     or seconds is not None or self._idle_since != self._sent_idle_since:
                 # A send blocks while the pipe is full: the front end reads late.
-                sent = time.perf_counter()
+                sent = time.monotonic()
                 try:
                     self.conn_out.send(("step", deltas, self._accepted, self._rejected, stats,
                                         seconds, self._send_seconds, self._idle_seconds,
-                                        self._idle_since))
+                                        self._idle_since, sent))
                 except OSError:
                     return  # the front end is gone
-                self._send_seconds = time.perf_counter() - sent
+                self._send_seconds = time.monotonic() - sent
                 self._idle_seconds, self._sent_idle_since = 0.0, self._idle_since
                 self._accepted, self._rejected, self._last_stats = [], [], stats
 

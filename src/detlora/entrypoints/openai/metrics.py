@@ -74,9 +74,10 @@ class ServerMetrics:
                               "took to hand each step's outputs to the front end (long when "
                               "the front end reads them late and the pipe is full)",
                               buckets=_STEP_BUCKETS, registry=r)
-        self.dispatch_delay = Histogram("detlora:frontend_step_delay_seconds", "From the front "
-                                        "end receiving a step's outputs to its event loop "
-                                        "handling them (long when the loop is busy)",
+        self.dispatch_delay = Histogram("detlora:frontend_step_delay_seconds", "From the "
+                                        "engine process sending a step's outputs to the front "
+                                        "end's event loop handling them (long when the loop "
+                                        "is busy)",
                                         buckets=_STEP_BUCKETS, registry=r)
         r.register(_EngineIdle(llm))
         self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
