@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from detlora.engine.runner.decode_graphs import DecodeGraphs
+from detlora.engine.runner.eager_warmup import eager_warmup_steps
 from detlora.engine.runner.graph_capture import (
     capture_progress,
     describe_capture_failure,
@@ -125,6 +126,23 @@ class ModelRunner:
             return
         self.graphs = graphs
         self.step_graphs = step_graphs
+        self.warm_eager_steps(max_num_seqs, max_num_batched_tokens)
+
+    def warm_eager_steps(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Run the steps of ``eager_warmup_steps`` once, so that the eager path's kernel
+        variants compile now rather than in the middle of serving; nothing is written."""
+        sg = self.step_graphs
+        steps = eager_warmup_steps(
+            graph_tokens=sg.t_max if sg is not None else 0,
+            graph_seqs=sg.s_max if sg is not None else 0,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            num_adapters=self.num_adapters)
+        with torch.inference_mode():
+            for step in steps:
+                self.model(self.forward_batch(step), upcast=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Free the CUDA graphs (and their memory pool), the KV cache and the device buffers
