@@ -81,6 +81,8 @@ class ModelRunner:
         self.graph_error: str | None = None
         if use_cuda_graphs and device.type == "cuda":
             self._capture(max_num_seqs, max_num_batched_tokens or 0, progress=progress)
+            if self.step_graphs is not None:
+                self.warm_eager_steps(max_num_seqs, max_num_batched_tokens or 0)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -126,7 +128,6 @@ class ModelRunner:
             return
         self.graphs = graphs
         self.step_graphs = step_graphs
-        self.warm_eager_steps(max_num_seqs, max_num_batched_tokens)
 
     def warm_eager_steps(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Run the steps of ``eager_warmup_steps`` once, so that the eager path's kernel
