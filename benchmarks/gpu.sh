@@ -32,7 +32,7 @@
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
 #                     matmul-two-part matmul-two-part-rule matmul-unsplit-tiles pdl-decode
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
-#                     serving-timeline (the server's wheels from .whl/)
+#                     serving-timeline (the server's wheels from .whl/) expand-spread-tiles
 #                     shared-inflight-pages vendor-gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -202,6 +202,7 @@ for step in "${steps[@]}"; do
     copy-reference) experiment copy_reference copy_reference.json || status=1 ;;
     cublas-kernels) experiment cublas_kernel_choice cublas_kernel_choice.json || status=1 ;;
     expand-group-cap) experiment expand_group_cap expand_group_cap.json || status=1 ;;
+    expand-spread-tiles) experiment expand_spread_tiles expand_spread_tiles.json || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
     serving-timeline) server_wheels
                       experiment serving_timeline serving_timeline.json || status=1 ;;

@@ -1,0 +1,87 @@
+"""Which expand tiles serve a decode batch spread over many adapters?
+
+At batch 64 on the Llama-3.2-3B shape, spreading the rows over 32 adapters instead of one took
+the decode step from 3.24 to 4.55 ms (``gpu.sh profile-adapters``); the expands grew most
+(gate|up with silu_and_mul 138 -> 820 us a step, the plain expand 165 -> 393), about an eighth
+of HBM bandwidth: every (group, column tile) program reads a rank x 64 slice of B for two rows.
+This times the decode expands (``expand_group_cap``'s Llama-3.1-8B layers, rank 16, M = 64,
+rows spread over 1, 8 and 32 slots) with wider column tiles, shorter row tiles and more group
+programs than ``expand_config`` picks, and checks each variant's outputs against the default
+config's bit for bit (the tile sizes never enter a row's sums: the rank is one dot).
+
+    PYTHONPATH=src python -m benchmarks.experiments.expand_spread_tiles OUT.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+
+import torch
+
+from benchmarks.experiments.expand_group_cap import OPS, make_layers
+from benchmarks.harness import results_meta, write_results
+from benchmarks.harness.timing import time_graph_us
+from detlora.ops.adapter_groups import group_tokens
+from detlora.ops.lora_configs import expand_config
+from detlora.ops.lora_expand import lora_expand
+from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
+
+R, M = 16, 64
+VARIANTS = [dict(), dict(block_n=128), dict(block_n=256), dict(block_m=16),
+            dict(block_m=16, block_n=128), dict(block_m=16, block_n=256),
+            dict(block_m=16, block_n=128, group_cap=32), dict(block_m=16, block_n=256, num_warps=8)]
+
+
+def config(offsets: list[int], **change):
+    width = max(b - a for a, b in itertools.pairwise(offsets))
+    return dataclasses.replace(expand_config(M, R, width), **change)
+
+
+def measure(slots: int) -> list[dict]:
+    ids = torch.arange(M, dtype=torch.int32) % slots
+    groups = group_tokens(ids.cuda(), slots)
+    ops = {op: make_layers(M, slots, OPS[op], seed=slots * 7 + k)
+           for k, op in enumerate(("o", "gate_up"))}
+
+    def plain(layer, change):
+        return lambda: lora_expand(layer.y, layer.h, layer.b, groups, OPS["o"],
+                                   config=config(OPS["o"], **change))
+
+    def silu(layer, change):
+        cfg = config(OPS["gate_up"], **change)
+        return lambda: lora_expand_silu_and_mul(layer.y, layer.h, layer.b, groups, config=cfg)
+
+    def outputs(change):
+        o, gu = ops["o"][0], ops["gate_up"][0]
+        y = o.y.clone()
+        lora_expand(y, o.h, o.b, groups, OPS["o"], config=config(OPS["o"], **change))
+        return [silu(gu, change)(), y]
+
+    ref = outputs({})
+    rows = []
+    for change in VARIANTS:
+        same = all(torch.equal(a, b) for a, b in zip(outputs(change), ref, strict=True))
+        row = {"max_loras": slots, "spread": slots, "config": change or "default",
+               "bits_equal": same,
+               "o_us": round(time_graph_us([plain(x, change) for x in ops["o"]]), 2),
+               "gate_up_silu_us": round(time_graph_us([silu(x, change)
+                                                       for x in ops["gate_up"]]), 2)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    rows = []
+    for slots in (1, 8, 32):
+        rows += measure(slots)
+        torch.cuda.empty_cache()
+    write_results(argv[0], {"meta": results_meta(
+        "python -m benchmarks.experiments.expand_spread_tiles"), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
