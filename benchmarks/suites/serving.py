@@ -12,15 +12,16 @@ prompts, 150 output tokens (EOS ignored), half greedy and half seeded sampling (
 2. The server (``detlora serve``), then at concurrency 1, 16, 64 and 256 (4, 64, 512 and 1,024
    requests; ``client_processes``): output tok/s over the level's wall time, time to first
    token and inter-token latency (p50, p99, at the client), failed requests, and outputs that
-   differ from the offline reference (token ids and logprobs, bit for bit); the cores the
-   server's two processes kept busy (``frontend_cpu``: HTTP, tokenizer and streams;
-   ``engine_cpu``: the step loop; 1.0 = one core all the time, from /proc) and each client
-   process's busy share (``client_cpu``); the engine's steps in the level from the server's
-   /metrics (``engine_busy``: their summed wall time over the level's, below 1 when the
-   engine waited for requests or on the front end; ``engine_idle``: the share it waited with
-   no request to run; ``engine_send_blocked``: the share it spent handing outputs over, long
-   when the front end reads them late; ``frontend_step_delay_mean_ms``: from the front end
-   receiving a step's outputs to its event loop handling them; ``steps_over_100ms``); the
+   differ from the offline reference (token ids and logprobs, bit for bit); over the clients'
+   span (first request sent to last answer ended): the cores the server's two processes kept
+   busy (``frontend_cpu``: HTTP, tokenizer and streams; ``engine_cpu``: the step loop; 1.0 =
+   one core all the time, from /proc), each client process's busy share (``client_cpu``), and
+   from the server's /metrics the engine's steps (``engine_busy``: their summed wall time over
+   the span, below 1 when the engine waited for requests or on the front end;
+   ``engine_idle``: the share it waited with no request to run; ``engine_send_blocked``: the
+   share it spent handing outputs over, long when the front end reads them late), the mean
+   delay from the engine sending a step's outputs to the front end's event loop handling them
+   (``frontend_step_delay_mean_ms``) and ``steps_over_100ms``; the
    server's own mean time to first token and its admission part (front end to engine
    process), beside the clients' mean (the difference is HTTP and request handling); and the
    Triton kernels (names) the server compiled meanwhile, with each compilation's process,
@@ -435,15 +436,23 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
                 warm_kernels = compiled_since(kernels)
                 kernels = triton_kernels_cached()
                 _, compiled_to = compile_events.read_events(compiles, compiled_to)
-                t0 = time.perf_counter()
                 cpu, steps = server_cpu(proc), server_figures(url)
+                scraped = time.monotonic()
                 clients: list[float] = []
                 results = run_load_processes(url, reqs, concurrency=concurrency,
                                              processes=procs, api_key=KEY, deadline_s=300,
                                              client_cpu=clients)
                 # The server's figures first: its counters go on (idle time) meanwhile.
-                cpu_after, steps_after = server_cpu(proc), server_figures(url)
-                wall = time.perf_counter() - t0
+                steps_after = server_figures(url)
+                done = time.monotonic()  # the idle counter was read before this
+                cpu_after = server_cpu(proc)
+                # Shares over the clients' span (first request sent to last answer ended):
+                # client processes start seconds after the scrape, and the engine's wait
+                # for them then is not the level's.
+                first = min(r.start for r in results)
+                last = max(r.end for r in results)
+                wall = last - first
+                steps_after["idle_s"] -= max(0.0, first - scraped) + max(0.0, done - last)
                 row = {**level_row(concurrency, results, refs, fingerprints),
                        "client_cpu": [round(c, 3) for c in clients],
                        **_busy(cpu, cpu_after, wall),

@@ -37,8 +37,10 @@ def test_expand_tiles_narrow_at_decode_and_keep_block_r_per_rank():
 
     decode = expand_config(DECODE_ROWS, 16, 3072)
     prefill = expand_config(DECODE_ROWS + 1, 16, 3072)
-    assert (decode.block_m, decode.block_n) == (32, 64)
+    assert (decode.block_m, decode.block_n) == (16, 128)
     assert (prefill.block_m, prefill.block_n) == (64, 128)
     assert (expand_config(1, 16, 3072).block_m, expand_config(1, 16, 48).block_n) == (16, 64)
+    short = expand_config(16, 16, 3072)  # up to 16 rows: narrower columns, more programs
+    assert (short.block_m, short.block_n) == (16, 64)
     for rank in (1, 16, 24, 64, 128):  # the rank step: a function of the rank alone
         assert len({expand_config(m, rank, 3072).block_r for m in (1, 16, 64, 65, 4096)}) == 1

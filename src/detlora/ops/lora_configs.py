@@ -197,7 +197,10 @@ def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
     bm = _block_m(num_rows)
     cap = 128
     if num_rows <= DECODE_ROWS:
-        bm, cap = min(bm, 32), 64
+        # Decode: 16-row tiles (a batch spread over many adapters leaves each group a few
+        # rows), 64 columns up to 16 rows (more programs for a short batch), else 128
+        # (fewer, fuller programs: docs/decisions.md, "Expand tiles for spread batches").
+        bm, cap = 16, (64 if num_rows <= 16 else 128)
     bn = cap if max_width >= cap else _block_n(max_width, cap)
     return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2,
                         group_cap=EXPAND_GROUP_CAP)
