@@ -25,7 +25,6 @@ from typing import Any
 from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.serving_load import LoadRequest, run_load_processes
 from benchmarks.suites import serving
-from benchmarks.suites.engine import write_adapter, write_model
 
 OUTPUT_TOKENS = 48
 
@@ -50,10 +49,7 @@ def run(concurrency: int, requests: int, profile: str | None) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="detlora-frontend-") as tmp:
         root = Path(tmp)
-        write_model(root / "model", shape)
-        serving.write_tokenizer(root / "model", shape.vocab)
-        for k in range(2):
-            write_adapter(root / f"adapter{k}", shape, seed=10 + k)
+        serving.write_assets(root, shape)
         pool = serving.requests_pool(plan, shape.vocab, requests)
         url, proc = serving.start_server(root, plan, root / "server.log")
         try:

@@ -31,7 +31,6 @@ from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.engine_trace import read_trace
 from benchmarks.harness.serving_load import LoadRequest, run_load_processes
 from benchmarks.suites import serving
-from benchmarks.suites.engine import write_adapter, write_model
 
 
 def _clip(e: dict[str, Any], t0: float, t1: float) -> float:
@@ -124,10 +123,7 @@ def run(levels: list[int], plan: serving.Plan) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="detlora-timeline-") as tmp:
         root = Path(tmp)
-        write_model(root / "model", shape)
-        serving.write_tokenizer(root / "model", shape.vocab)
-        for k in range(2):
-            write_adapter(root / f"adapter{k}", shape, seed=10 + k)
+        serving.write_assets(root, shape)
         pool = serving.requests_pool(plan, shape.vocab, max(serving.LEVELS.values()))
         trace_file = root / "engine_trace.jsonl"
         url, proc = serving.start_server(root, plan, root / "server.log",

@@ -121,6 +121,17 @@ def write_tokenizer(path: Path, vocab: int) -> None:
     fast.save_pretrained(str(path))
 
 
+def write_assets(root: Path, shape: Any) -> None:
+    """The server's model (``root/model``, with the word-level tokenizer) and its two
+    adapters (``root/adapter0``, ``root/adapter1``)."""
+    from benchmarks.suites.engine import write_adapter, write_model
+
+    write_model(root / "model", shape)
+    write_tokenizer(root / "model", shape.vocab)
+    for k in range(2):
+        write_adapter(root / f"adapter{k}", shape, seed=10 + k)
+
+
 def requests_pool(plan: Plan, vocab: int, n: int) -> list[dict[str, Any]]:
     """n request bodies (model = adapter a0 or a1), as the server and the offline run read
     them."""
@@ -395,15 +406,10 @@ def run(plan: Plan, log: Any = print) -> dict[str, Any]:
     import torch
 
     from benchmarks.harness.serving_load import LoadRequest, run_load_processes
-    from benchmarks.suites.engine import write_adapter, write_model
-
     shape = plan.shape()
     with tempfile.TemporaryDirectory(prefix="detlora-serving-") as tmp:
         root = Path(tmp)
-        write_model(root / "model", shape)
-        write_tokenizer(root / "model", shape.vocab)
-        for k in range(2):
-            write_adapter(root / f"adapter{k}", shape, seed=10 + k)
+        write_assets(root, shape)
         torch.cuda.empty_cache()
         log("offline: throughput at batch 64 and reference outputs")
         ref_file = root / "offline.json"
