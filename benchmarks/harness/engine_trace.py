@@ -5,7 +5,7 @@ With ``DETLORA_ENGINE_TRACE=FILE`` in the environment, ``install_from_env()`` (c
 by ``benchmarks/harness/sitecustomize/``) wraps the ``EngineCore`` that a server's engine process
 builds: its engine's ``step_sequences``, its input pipe's ``poll`` and its output pipe's
 ``send``, and the requests it receives. Events go to FILE as JSON lines when the process exits
-(and every 4,096 events): ``{"kind": "step", "t0", "t1", "rows", "running", "waiting"}``,
+(and every 512 events): ``{"kind": "step", "t0", "t1", "rows", "running", "waiting"}``,
 ``{"kind": "poll", "t0", "t1", "timeout", "ready"}``, ``{"kind": "send", "t0", "t1"}``, and per
 request ``{"kind": "add" | "first" | "finish", "t", "rid"}`` (received; its first token read;
 finished). Lab code: it changes nothing the engine computes, only times it from outside.
@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 ENV = "DETLORA_ENGINE_TRACE"
-_FLUSH_EVERY = 4096
+_FLUSH_EVERY = 512  # a process killed at shutdown loses at most this many
 
 
 class _Trace:
