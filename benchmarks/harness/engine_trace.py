@@ -81,6 +81,7 @@ def install(path: str) -> None:
         init(self, engine, _TimedConn(conn_in, trace), _TimedConn(conn_out, trace))
         step = engine.step_sequences
         sched = engine.scheduler
+        read: set[str] = set()  # requests that read a token already
 
         def traced_step() -> Any:
             t0 = time.monotonic()
@@ -89,9 +90,13 @@ def install(path: str) -> None:
             trace.add({"kind": "step", "t0": t0, "t1": t1, "rows": len(out),
                        "running": len(sched.running), "waiting": len(sched.waiting)})
             for seq in out:
-                if seq.num_output_tokens == 1:
+                # A request's first appearance is its first token (its token count cannot
+                # tell: a step launched ahead leaves a placeholder at the end).
+                if seq.request_id not in read:
+                    read.add(seq.request_id)
                     trace.add({"kind": "first", "t": t1, "rid": seq.request_id})
                 if seq.is_finished:
+                    read.discard(seq.request_id)
                     trace.add({"kind": "finish", "t": t1, "rid": seq.request_id})
             return out
 
