@@ -811,9 +811,12 @@ def tile_slots(problem: AttentionProblem, block_q: int) -> tuple[int, int, bool]
     return searched, 0, True
 
 
+SEARCH_BLOCK_SMALL = 128  # up to this many sequences the search loads 128 at a time
+
+
 def search_block(num_seqs: int) -> int:
     """Sequences per load of the slot search: two sizes, so batch sizes share compilations."""
-    return 128 if num_seqs <= 128 else 1024
+    return SEARCH_BLOCK_SMALL if num_seqs <= SEARCH_BLOCK_SMALL else 1024
 
 
 class _Counters:

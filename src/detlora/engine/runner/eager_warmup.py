@@ -2,16 +2,18 @@
 
 A step larger than every step graph runs eagerly, and its kernels specialize on what the
 graphs never meet: thousands of rows, and attention over prompts of equal length (each
-sequence's query tiles numbered directly) or beside decode rows (the tiles searched, with a
-search block for up to 128 sequences or more). Each new variant compiles in the middle of
-serving, about a second on an H200, the first time a burst of arrivals meets the running
-sequences. These synthetic steps meet each variant once at start-up instead: their rows write
-no KV page (slot -1), read page 0, and their logits are thrown away, so no state changes.
+sequence's query tiles numbered directly) or beside decode rows (the tiles searched, with
+``search_block``'s two sizes). Each new variant would compile in the middle of serving, the
+first time a burst of arrivals meets the running sequences (docs/decisions.md, "The engine
+steps in a process of its own"). These synthetic steps meet each variant once at start-up
+instead: their rows write no KV page (slot -1), read page 0, and their logits are thrown
+away, so no state changes.
 """
 
 from __future__ import annotations
 
 from detlora.engine.runner.step_inputs import StepInputs
+from detlora.ops.paged_attention import SEARCH_BLOCK_SMALL
 
 
 def eager_warmup_steps(
@@ -30,8 +32,9 @@ def eager_warmup_steps(
     length = min(max_model_len, tokens)
     steps: list[StepInputs] = []
     # Equal prompts (direct tile numbering), then prompts beside decode rows (searched
-    # tiles) up to 128 sequences and past 128 (the two search blocks).
-    for total in sorted({0, min(max_num_seqs, 128), min(max_num_seqs, 256)}):
+    # tiles) with each of the search's two block sizes.
+    small = SEARCH_BLOCK_SMALL
+    for total in sorted({0, min(max_num_seqs, small), min(max_num_seqs, small + 1)}):
         prompts = min(-(-tokens // length), max_num_seqs)
         decodes = max(0, total - prompts)
         prompts = min(prompts, (max_num_batched_tokens - decodes) // length)
@@ -45,13 +48,12 @@ def eager_warmup_steps(
 
 def _step(query_lens: list[int], block_size: int, num_adapters: int | None) -> StepInputs:
     ids, positions, adapters, tables, qsl, last = [], [], [], [], [0], []
-    for i, q in enumerate(query_lens):
-        context = q  # a prompt's context is itself; a decode row reads a one-token context
+    for i, q in enumerate(query_lens):  # each row's context is its own query (a decode: 1)
         ids += [i % 7 + 1] * q
-        positions += list(range(context - q, context))
+        positions += list(range(q))
         # Rows with and without an adapter, as real steps mix them.
         adapters += [0 if num_adapters and i % 2 == 0 else -1] * q
-        tables.append([0] * -(-context // block_size))
+        tables.append([0] * -(-q // block_size))
         qsl.append(qsl[-1] + q)
         last.append(qsl[-1] - 1)
     return StepInputs(input_ids=ids, positions=positions, slot_mapping=[-1] * len(ids),
