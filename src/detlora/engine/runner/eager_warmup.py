@@ -13,7 +13,6 @@ away, so no state changes.
 from __future__ import annotations
 
 from detlora.engine.runner.step_inputs import StepInputs
-from detlora.ops.paged_attention import SEARCH_BLOCK_SMALL
 
 
 def eager_warmup_steps(
@@ -33,7 +32,8 @@ def eager_warmup_steps(
     steps: list[StepInputs] = []
     # Equal prompts (direct tile numbering), then prompts beside decode rows (searched
     # tiles) with each of the search's two block sizes.
-    small = SEARCH_BLOCK_SMALL
+    from detlora.ops.paged_attention import SEARCH_BLOCK_SMALL as small  # loads Triton
+
     for total in sorted({0, min(max_num_seqs, small), min(max_num_seqs, small + 1)}):
         prompts = min(-(-tokens // length), max_num_seqs)
         decodes = max(0, total - prompts)
