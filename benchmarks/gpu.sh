@@ -33,7 +33,7 @@
 #                     matmul-two-part matmul-two-part-rule matmul-unsplit-tiles pdl-decode
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
 #                     serving-timeline (the server's wheels from .whl/) expand-spread-tiles
-#                     shared-inflight-pages vendor-gemm
+#                     shared-inflight-pages vendor-gemm multi-lora-waves
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -204,6 +204,7 @@ for step in "${steps[@]}"; do
     expand-group-cap) experiment expand_group_cap expand_group_cap.json || status=1 ;;
     expand-spread-tiles) experiment expand_spread_tiles expand_spread_tiles.json || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
+    multi-lora-waves) experiment multi_lora_waves multi_lora_waves.json || status=1 ;;
     serving-timeline) server_wheels
                       experiment serving_timeline serving_timeline.json || status=1 ;;
     fused-lora-norm) experiment fused_lora_norm fused_lora_ops.json || status=1 ;;

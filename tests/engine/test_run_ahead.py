@@ -126,3 +126,48 @@ def test_requests_queued_for_a_slot_do_not_stop_running_ahead(llama_dir, case):
     assert len(queued) > 5  # steps launched ahead while requests queued
     assert not engine.has_unfinished() and engine._inflight is None
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def _arrivals(llama_dir, llama_adapters, run_ahead: bool):
+    """Requests added while others run (a server's pattern: one arrival every other step,
+    with free sequence slots), some sharing a running request's prompt prefix, some with
+    adapters, some reading label logprobs; the engine and the sequences, in arrival order."""
+    llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, device="cpu",
+              block_size=4)
+    engine = llm.engine
+    engine.run_ahead = run_ahead
+    loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(llama_adapters)]
+    prompts = random_prompts(N, seed=33, lo=6, hi=20)
+    seqs = []
+    for k in range(N):
+        lora = loras[k % 2] if k % 3 else None
+        prompt = prompts[k]
+        if k % 3 == 2:  # the previous request's first 9 tokens, and its adapter
+            prompt, lora = prompts[k - 1][:9] + prompts[k][:5], loras[(k - 1) % 2]
+        seqs.append(engine.add_request(
+            prompt, _params(k) if k % 4 != 3 else _penalized(k), lora=lora,
+            label_token_ids=[20, 21, 22] if k % 5 == 1 else None))
+        engine.step_sequences()
+        engine.step_sequences()
+    while engine.has_unfinished():
+        engine.step_sequences()
+    return engine, seqs
+
+
+def test_arrivals_join_steps_launched_ahead_with_the_same_outputs(llama_dir, llama_adapters):
+    # A request that arrives while a step is in flight is admitted into the step launched
+    # ahead (its prompt beside the running sequences' fed decodes) instead of stopping the
+    # run-ahead; the batches differ from step by step, the bits do not.
+    base_engine, base = _arrivals(llama_dir, llama_adapters, False)
+    engine, seqs = _arrivals(llama_dir, llama_adapters, True)
+    for k, (a, b) in enumerate(zip(seqs, base, strict=True)):
+        assert a.finish_reason == b.finish_reason, k
+        assert a.token_ids == b.token_ids, f"request {k}: tokens differ when running ahead"
+        assert a.logprobs == b.logprobs, f"request {k}: logprobs differ"
+        assert a.label_logprobs == b.label_logprobs, f"request {k}: label logprobs differ"
+    assert base_engine.num_admitted_ahead == 0
+    assert engine.num_admitted_ahead >= N // 2  # most arrivals joined a step launched ahead
+    assert engine.num_steps_ahead > engine.num_steps // 2
+    assert any(s.num_cached_tokens for s in seqs)  # prefix pages shared with running requests
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert engine._inflight is None

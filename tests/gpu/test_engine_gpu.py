@@ -390,6 +390,50 @@ def test_runs_ahead_while_requests_queue_for_a_slot(assets):
     assert _diff(ahead, step_by_step) == []
 
 
+def _arrivals(engine, prompts, loras) -> list:
+    """Requests added one every other step while others run (a server's pattern); the
+    sequences in arrival order, run to the end."""
+    stops = tuple(range(2, 2 + VOCAB // 12))
+    seqs = []
+    for k, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=10 + 2 * k, logprobs=0, stop_token_ids=stops,
+                                **(dict(temperature=0.0) if k % 2 == 0 else
+                                   dict(temperature=0.9, top_p=0.9, seed=k)))
+        seqs.append(engine.add_request(prompt, params, lora=loras[k % 2] if k % 3 else None))
+        engine.step_sequences()
+        engine.step_sequences()
+    while engine.has_unfinished():
+        engine.step_sequences()
+    return seqs
+
+
+@pytest.mark.parametrize("step_graphs", [True, False], ids=["step_graphs", "eager_mixed"])
+def test_arrivals_join_steps_launched_ahead_with_the_step_by_step_bits(assets, monkeypatch,
+                                                                     step_graphs):
+    """A request that arrives while a step is in flight prefills in the step launched ahead,
+    beside decodes whose input ids are the device's fed tokens: replayed from the step
+    graphs, or eager while the decode graphs hold the feed; batch_invariant bits of step by
+    step."""
+    import detlora.engine.runner.step_graphs as sg
+
+    model_dir, loras, prompts = assets
+    if not step_graphs:
+        monkeypatch.setattr(sg, "TOKEN_BUCKETS", ())
+    llm = _llm(model_dir, determinism="batch_invariant")
+    engine = llm.engine
+    assert engine.run_ahead and engine.runner.uses_cuda_graphs
+    assert (engine.runner.step_graphs is not None) == step_graphs
+    ahead = _arrivals(engine, prompts, loras)
+    admitted = engine.num_admitted_ahead
+    engine.run_ahead = False
+    step_by_step = _arrivals(engine, prompts, loras)
+    assert admitted >= len(prompts) // 2
+    assert engine.num_admitted_ahead == admitted
+    for k, (a, b) in enumerate(zip(ahead, step_by_step, strict=True)):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, k
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
 def test_logit_adjustments_are_batch_invariant(assets):
     """Penalties (run ahead: the unread last token counted on the device), logit bias and
     allowed tokens on bf16 logits with CUDA graphs: alone and in a reversed batch beside plain

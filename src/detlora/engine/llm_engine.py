@@ -288,6 +288,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps launched before the previous one was read
+        self.num_admitted_ahead = 0  # requests admitted into steps launched ahead
         self._inflight: _InFlight | None = None  # a launched step not read yet
         self._failed: list[Seq] = []  # finished before their step ran, not returned yet
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
@@ -617,12 +618,13 @@ class LLMEngine:
         ones included, in row order).
 
         With decode graphs (``run_ahead``) the engine runs one step ahead: while a step is in
-        flight, the next one (every running sequence decodes again) is scheduled and launched with
-        its input tokens left on the device by the sampler, and only then is the first one
-        read. The host's work then hides behind the GPU's, also while requests queue for a
-        sequence slot. A row computed ahead for a sequence that the read step finished (a
-        stop token) is dropped, and a queued request takes the freed slot one step later;
-        under batch_invariant the bits do not depend on either (``_launch_ahead``).
+        flight, the next one (every running sequence decodes again, and waiting requests the
+        scheduler admits prefill) is scheduled and launched with the decode input tokens left
+        on the device by the sampler, and only then is the first one read. The host's work
+        then hides behind the GPU's, also while requests arrive or queue for a sequence slot.
+        A row computed ahead for a sequence that the read step finished (a stop token) is
+        dropped, and a queued request takes the freed slot one step later; under
+        batch_invariant the bits do not depend on either (``_launch_ahead``).
         """
         self._check_running()
         if self._inflight is None:
@@ -650,9 +652,10 @@ class LLMEngine:
         return failed
 
     def _launch(self, sched: SchedulerOutput,
-                fed_rows: list[int] | None = None) -> _InFlight | None:
+                fed_rows: list[int | None] | None = None) -> _InFlight | None:
         """Run the model and queue the sampling of ``sched``; None when no row samples.
-        ``fed_rows[i]``: the previous step's row whose token is sequence i's input."""
+        ``fed_rows[i]``: the previous step's row whose token is sequence i's input (None: a
+        sequence admitted in this step, whose prompt tokens the host has)."""
         self.num_steps += 1
         seqs = [s.seq for s in sched.scheduled]
         now = time.time()
@@ -667,7 +670,7 @@ class LLMEngine:
             seqs = [s.seq for s in sched.scheduled]
         step = build_step_inputs(sched, slots, self.config.block_size)
         if fed_rows is not None:
-            step = dataclasses.replace(step, input_ids=[-1 - r for r in fed_rows])
+            step = dataclasses.replace(step, input_ids=_fed_input_ids(step, sched, fed_rows))
         out = self.runner.execute(step, sched.is_decode_only)
         if self.lora_manager is not None:
             self._prefetch_adapters()  # while the step runs
@@ -683,7 +686,8 @@ class LLMEngine:
         assert out is not None
         # A step launched ahead: sequence i's last token is row fed_rows[i] of ``fed_tokens``.
         fed_of = {} if fed_rows is None else {
-            id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)}
+            id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)
+            if r is not None}
         self._read_labels(sampling, out.logits)
         requests = [self._sample_request(s, fed_of.get(id(s))) for s in sampling]
         pending = self.sampler.launch(out.logits, requests, greedy=out.greedy,
@@ -750,18 +754,16 @@ class LLMEngine:
             sampling[i].label_logprobs = lp
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
-        """Launch the next step before ``current`` is read, when it is sure to be a decode
-        step of every running sequence: nothing waits, every sequence slot is taken, or every
-        waiting request waits for an adapter slot (so the scheduler admits nobody); every
-        running sequence sampled in ``current`` and is not finished by length there; and the
-        KV pages suffice. A slot that ``current`` frees (a stop token the host has not read)
+        """Launch the next step before ``current`` is read, when every running sequence is
+        sure to decode in it: each sampled in ``current``, is not finished by length there,
+        and the KV pages for its next token are free. Waiting requests that the scheduler
+        admits join the step with their prompts (vLLM's async scheduling), so arrivals do not
+        stop the run-ahead. A slot that ``current`` frees (a stop token the host has not read)
         is filled one step later than step by step would: batches then differ, never a
         batch_invariant row's bits."""
         running = self.scheduler.running
         if (
             not self.run_ahead
-            or (self.scheduler.waiting and len(running) < self.scheduler.max_num_seqs
-                and not self.scheduler.waiting_for_adapter_slots())
             or not running
             or len(running) > self.config.max_num_batched_tokens
             # A grammar's next mask needs the token the step in flight samples.
@@ -781,11 +783,16 @@ class LLMEngine:
             pages += self.block_manager.blocks_needed(seq, length)
         if pages > self.block_manager.num_free:
             return None
+        decoding = len(running)
         sched = self.scheduler.schedule()
-        if sched.preempted or len(sched.scheduled) != len(running) or not sched.is_decode_only:
-            raise RuntimeError("a step scheduled ahead was not a decode of every sequence")
+        items = sched.scheduled
+        if (sched.preempted or len(items) < decoding
+                or any(it.num_tokens != 1 or id(it.seq) not in rows for it in items[:decoding])):
+            raise RuntimeError("a step scheduled ahead did not decode every running sequence")
         self.num_steps_ahead += 1
-        return self._launch(sched, [rows[id(s.seq)] for s in sched.scheduled])
+        self.num_admitted_ahead += len(items) - decoding
+        return self._launch(sched, [rows[id(it.seq)] for it in items[:decoding]]
+                            + [None] * (len(items) - decoding))
 
     def _collect(self, inflight: _InFlight) -> list[Seq]:
         """Read a launched step's tokens into its sequences; the sequences that got one."""
@@ -981,3 +988,16 @@ class LLMEngine:
         text = self.token_text
         return {token: Logprob(value, rank, None if text is None else text(token))
                 for (token, value), rank in zip(values.items(), ranks, strict=True)}
+
+
+def _fed_input_ids(step: StepInputs, sched: SchedulerOutput,
+                   fed_rows: list[int | None]) -> list[int]:
+    """``step``'s input ids with each fed sequence's one token replaced by ``-1 - row``: the
+    token the previous step sampled for ``row``, which only the device has yet."""
+    ids = list(step.input_ids)
+    at = 0
+    for item, row in zip(sched.scheduled, fed_rows, strict=True):
+        if row is not None:
+            ids[at] = -1 - row
+        at += item.num_tokens
+    return ids

@@ -112,16 +112,3 @@ def test_upcoming_adapters_skip_running_ones():
 def test_max_adapter_wait_checked():
     with pytest.raises(ValueError, match="max_adapter_wait must be an int >= 0"):
         _scheduler(1, -1)
-
-
-def test_waiting_for_adapter_slots():
-    s = _scheduler(max_loras=1, wait=64)
-    x, y = object(), object()
-    assert not s.waiting_for_adapter_slots()  # nothing waits
-    s.add(make_seq(0, 3, lora=x))
-    s.add(make_seq(1, 3, lora=y))
-    assert not s.waiting_for_adapter_slots()  # a slot is free
-    s.schedule()
-    assert s.waiting_for_adapter_slots()  # y waits for x's slot
-    s.add(make_seq(2, 3, lora=x))
-    assert not s.waiting_for_adapter_slots()  # x's new request would join it

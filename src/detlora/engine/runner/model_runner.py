@@ -181,7 +181,7 @@ class ModelRunner:
             lora = LoRABatch(group_tokens(token_adapter, self.num_adapters, validate=False))
         input_ids = t(step.input_ids, torch.int64)
         if step.input_ids and min(step.input_ids) < 0:  # fed rows (see ``feed``)
-            fed = self._feed.index_select(0, (-1 - input_ids).clamp(min=0))
+            fed = self.fed_tokens.index_select(0, (-1 - input_ids).clamp(min=0))
             input_ids = torch.where(input_ids >= 0, input_ids, fed)
         return ForwardBatch(
             input_ids=input_ids,

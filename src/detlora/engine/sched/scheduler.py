@@ -108,16 +108,6 @@ class Scheduler:
                 out.append(seq.lora)
         return out
 
-    def waiting_for_adapter_slots(self) -> bool:
-        """True when every waiting sequence needs an adapter that no running sequence uses
-        while all ``max_loras`` are taken: admission would take none of them now."""
-        if self.max_loras is None or not self.waiting:
-            return False
-        running = {s.lora for s in self.running if s.lora is not None}
-        if len(running) < self.max_loras:
-            return False
-        return all(s.lora is not None and s.lora not in running for s in self.waiting)
-
     def schedule(self) -> SchedulerOutput:
         self.num_schedules += 1
         budget = self.max_num_batched_tokens

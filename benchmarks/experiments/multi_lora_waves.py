@@ -1,0 +1,193 @@
+"""Where does a working set of six times the slots spend its time?
+
+``multi_lora.json`` (4e4304f): 512 requests over a working set of 6 x max_loras adapters
+(Qwen3-0.6B shape, 32 prompt and 32 greedy output tokens, host cache warm) ran at 0.66x of
+one adapter at max_loras 8 and 0.279x at 32: 192 steps either way (six waves of 32 steps),
+but 10 ms a step at 32 slots against 5.3 at 8, and 181 swaps took 455 ms of host time. This
+runs the suite's traffic engine on that working set (the suite's adapters, the first 6 x 32 of
+its draws), at max_loras 8 and 32, and reports for the timed pass with the host cache warm:
+
+* ``phases``: host seconds in the scheduler, adapter activation (swaps included), the model
+  runner's launch, and reading a step's tokens (which waits for the GPU), per call;
+* ``swap``: host and GPU time of one slot write (``SlotWriter.write``) per adapter rank;
+* ``gpu``: the CUDA profiler over a third pass: kernel busy time against the wall, and the
+  kernels by total time;
+* ``host``: cProfile of a fourth pass (own time per function).
+
+    PYTHONPATH=src python -m benchmarks.experiments.multi_lora_waves OUT.json [--tiny]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import results_meta, write_results
+from benchmarks.suites.engine import write_model
+from benchmarks.suites.multi_lora import (
+    Plan,
+    _distributions,
+    _llm,
+    _params,
+    _prompts,
+    write_adapters,
+)
+from benchmarks.suites.profile_engine import _PhaseClock, busy_us, host_profile
+
+MAX_LORAS = (8, 32)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _instrument(llm: Any, clock: _PhaseClock) -> None:
+    eng = llm.engine
+    eng.scheduler.schedule = clock.wrap("schedule", eng.scheduler.schedule)
+    eng._activate_adapters = clock.wrap("activate_adapters", eng._activate_adapters)
+    eng.lora_manager.slot_for = clock.wrap("slot_for", eng.lora_manager.slot_for)
+    eng.lora_manager.prefetch = clock.wrap("prefetch", eng.lora_manager.prefetch)
+    eng.runner.execute = clock.wrap("runner_execute", eng.runner.execute)
+    eng.sampler.launch = clock.wrap("sampler_launch", eng.sampler.launch)
+    eng._collect = clock.wrap("collect", eng._collect)
+
+
+def _swap_times(llm: Any, adapters: list[Any], reps: int = 5) -> list[dict[str, Any]]:
+    """One slot write per distinct (rank, targets) layout among ``adapters``: host time of
+    ``SlotWriter.write`` and, on CUDA, the side stream's time for it."""
+    mgr = llm.engine.lora_manager
+    writer = mgr.writer
+    writer.launched()  # the last step is enqueued
+    resident = mgr.resident()[0]
+    slot = mgr._slots[resident]
+    mgr.remove(resident)  # a free slot to scribble on (zeroed again at the end)
+    seen, rows = set(), []
+    for req in adapters:
+        image, _ = mgr.host.get(req)
+        if image.layout in seen:
+            mgr.host.release(image, None)
+            continue
+        seen.add(image.layout)
+        host, gpu = [], []
+        for _ in range(reps):
+            _sync()
+            t0 = time.perf_counter()
+            copied = writer.write(slot, image)
+            host.append((time.perf_counter() - t0) * 1e6)
+            if writer.cuda:
+                start = time.perf_counter()
+                writer._stream.synchronize()
+                gpu.append((time.perf_counter() - start) * 1e6 + host[-1])
+            writer.wait_ready([slot])
+        mgr.host.release(image, copied)
+        rows.append({"adapter": req.name, "bytes": image.nbytes, "pieces": len(image.pieces),
+                     "host_us": round(sorted(host)[reps // 2], 1),
+                     "host_plus_copy_us": round(sorted(gpu)[reps // 2], 1) if gpu else None})
+    writer.clear(slot)
+    return rows
+
+
+def _gpu_profile(fn: Any) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and "dur" in e]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        entry = by_name[e["name"][:100]]
+        entry[0] += e["dur"]
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"wall_ms": round(wall_us / 1e3, 1), "busy_ms": round(busy_us(kernels) / 1e3, 1),
+            "kernels": [{"kernel": k, "ms": round(v[0] / 1e3, 2), "launches": v[1]}
+                        for k, v in top]}
+
+
+def run(tiny: bool = False, log=print) -> dict[str, Any]:
+    plan = Plan.tiny() if tiny else Plan()
+    plan = replace(plan, adapters=plan.working_set_factor * max(
+        plan.traffic_max_loras if tiny else MAX_LORAS))
+    name, shape = plan.traffic_model
+    tmp = Path(tempfile.mkdtemp(prefix="multi_lora_waves_"))
+    model = tmp / "model"
+    write_model(model, shape)
+    adapters = write_adapters(tmp / "adapters", shape, plan)
+    prompts = _prompts(plan.requests, plan.prompt_len, shape.vocab, seed=1)
+    params = _params(plan)
+    levels = []
+    for ml in (plan.traffic_max_loras if tiny else MAX_LORAS):
+        llm = _llm(model, plan, max_loras=ml, num_kv_blocks=None if tiny else 1280)
+        for r in adapters:
+            llm.register_lora(r)
+        _, picks = _distributions(plan, ml)["working_set_uniform"]
+        loras = [adapters[k] for k in picks]
+        single = [adapters[0]] * len(prompts)
+        llm.generate(prompts, params, single, use_tqdm=False)  # compile, graphs
+        _sync()
+        t = time.perf_counter()
+        llm.generate(prompts, params, single, use_tqdm=False)
+        _sync()
+        single_s = time.perf_counter() - t
+        llm.generate(prompts, params, loras, use_tqdm=False)  # pass 1: the host cache fills
+        clock = _PhaseClock()
+        _instrument(llm, clock)
+        eng = llm.engine
+        steps, swaps = eng.num_steps, eng.lora_stats.swaps
+        _sync()
+        t = time.perf_counter()
+        llm.generate(prompts, params, loras, use_tqdm=False)
+        _sync()
+        wall = time.perf_counter() - t
+        row = {"max_loras": ml, "adapters": len(set(picks)), "single_s": round(single_s, 3),
+               "working_set_s": round(wall, 3), "vs_single": round(single_s / wall, 3),
+               "steps": eng.num_steps - steps, "swaps": eng.lora_stats.swaps - swaps,
+               "phases_s": {k: round(v, 4) for k, v in clock.seconds.items()},
+               "phase_calls": dict(clock.calls)}
+        log(json.dumps(row))
+        row["swap"] = _swap_times(llm, loras)
+        log(json.dumps(row["swap"]))
+        clock.reset()
+        again = functools.partial(llm.generate, prompts, params, loras, use_tqdm=False)
+        if llm.engine.runner.device.type == "cuda":
+            row["gpu"] = _gpu_profile(again)
+            log(json.dumps({k: v for k, v in row["gpu"].items() if k != "kernels"}))
+            row["host"] = host_profile(again, top=40)
+        levels.append(row)
+        llm.engine.shutdown()
+        del llm
+    return {"model": name, "plan": {"requests": plan.requests, "prompt_len": plan.prompt_len,
+                                    "output_len": plan.output_len}, "levels": levels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = argv[0] if argv else "benchmarks/results/multi_lora_waves.json"
+    tiny = "--tiny" in argv
+    result = run(tiny)
+    write_results(out, {"meta": results_meta(
+        "python -m benchmarks.experiments.multi_lora_waves " + " ".join(argv)), **result})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
