@@ -125,3 +125,27 @@ def test_adapters_copied_into_free_slots_ahead_of_their_step(llama_dir, adapters
     assert all(same_outputs(a, b) for a, b in zip(outs, alone, strict=True))
     assert stats.prefetch_swaps > 0 and stats.host_misses == 0 and stats.disk_loads == 12
     assert stats.slot_hits >= stats.prefetch_swaps  # each prefetched adapter was then used
+
+
+def test_next_wave_adapters_copied_behind_the_last_step_of_a_wave(llama_dir, adapters):
+    """Waves of equal-length requests fill every adapter slot: when a wave's last step is
+    launched, its slots are idle from then on, so the next wave's adapters (in the host
+    cache) are copied into them behind that step instead of when the next wave is admitted;
+    every request keeps the bits it has alone."""
+    loras = [adapters[i % 8] for i in range(16)]
+    prompts = random_prompts(16, seed=28, hi=10)
+    solo = _llm(llama_dir, max_loras=1)
+    alone = [_run(solo, p, r)[0] for p, r in zip(prompts, loras, strict=True)]
+    llm = _llm(llama_dir, max_loras=2)
+    for r in adapters[:8]:
+        assert llm.add_lora(r)  # into the host cache (and the first two into slots)
+    stats = llm.engine.lora_stats
+    before = stats.as_dict()
+    outs = _run(llm, prompts, loras)
+    assert all(same_outputs(a, b) for a, b in zip(outs, alone, strict=True))
+    swaps = stats.swaps - before["swaps"]
+    ahead = stats.prefetch_swaps - before["prefetch_swaps"]
+    # The first wave's two adapters come on demand (add_lora left the last two in the
+    # slots); every later wave's came ahead.
+    assert swaps == 8 and ahead == 6
+    assert stats.slot_misses - before["slot_misses"] == 2

@@ -165,6 +165,49 @@ def test_slots_written_ahead_while_a_step_runs(assets):
     assert stats.prefetch_swaps > 0 and stats.host_misses == 0
 
 
+def test_next_wave_copied_behind_the_last_step_of_a_wave(assets):
+    """Waves of equal-length requests over 4 slots: the next wave's adapters are copied into
+    the slots of the wave whose last step is in flight (the copy waits for that step on the
+    side stream); every output is the one it has alone, and the slots hold exactly what the
+    CPU path's torch copies give."""
+    model, adapters, prompts = assets
+    loras = [adapters[k % 16] for k in range(32)]
+    solo = _llm(model, max_loras=1)
+    alone = [solo.generate(prompts[k], SP, loras[k], use_tqdm=False)[0] for k in range(32)]
+    del solo
+    llm = _llm(model, max_loras=4)
+    for r in adapters[:16]:
+        llm.add_lora(r)
+    stats = llm.engine.lora_stats
+    ahead = stats.prefetch_swaps
+    outs = llm.generate(prompts[:32], SP, loras, use_tqdm=False)
+    assert all(_same(a, b) for a, b in zip(outs, alone, strict=True))
+    assert stats.prefetch_swaps - ahead >= 12  # waves 2-4 came ahead
+    manager = llm.engine.lora_manager
+    torch.cuda.synchronize()
+    for req in adapters[12:16]:  # the last wave's, written by copy_pieces: against torch
+
+        slot = manager.slot_of(req.id)
+        if slot is None:
+            continue
+        image, _ = manager.host.get(req)
+        want = [[t[slot].clone() for t in (lin.lora.lora_a, lin.lora.lora_b,
+                                            lin.lora.lora_scale)] for lin, _ in manager._linears]
+        for lin, _ in manager._linears:
+            lin.lora.lora_a[slot].fill_(float("nan"))
+            lin.lora.lora_b[slot].fill_(float("nan"))
+        manager.writer.cuda = False  # the torch copies, from the pinned image
+        try:
+            manager.writer._fill(slot, image, image.block.data.cuda())
+        finally:
+            manager.writer.cuda = True
+        manager.host.release(image)
+        got = [[t[slot] for t in (lin.lora.lora_a, lin.lora.lora_b, lin.lora.lora_scale)]
+               for lin, _ in manager._linears]
+        assert all(torch.equal(a, b) for xs, ys in zip(got, want, strict=True)
+                   for a, b in zip(xs, ys, strict=True))
+
+
 @pytest.mark.parametrize("m", [1, 64, 300])
 def test_in_gemm_linear_skips_unused_slots_in_bf16(m):
     """Llama-3.1-8B's q|k|v with 64 rank-16 slots, one or two in use: unused slots' tiles write

@@ -551,13 +551,18 @@ class LLMEngine:
         time), None without LoRA."""
         return None if self.lora_manager is None else self.lora_manager.stats
 
-    def _prefetch_adapters(self) -> None:
+    def _prefetch_adapters(self, launched: SchedulerOutput) -> None:
         """Read the adapters the next admissions will want into the host cache, and copy
-        them into free or idle slots (never waiting for disk; decides no schedule)."""
+        them into free or idle slots (never waiting for disk; decides no schedule). A slot
+        whose running requests all reach their length in the step just ``launched`` is
+        idle: the next wave's adapter is copied into it behind that step on the GPU."""
         assert self.lora_manager is not None
         upcoming = self.scheduler.upcoming_adapters(PREFETCH_DEPTH * self.config.max_loras)
         if upcoming:
-            keep = {s.lora.id for s in self.scheduler.running if s.lora is not None}
+            ending = {id(it.seq) for it in launched.scheduled
+                      if it.samples and len(it.seq.token_ids) + 1 >= it.seq.max_len}
+            keep = {s.lora.id for s in self.scheduler.running
+                    if s.lora is not None and id(s) not in ending}
             self.lora_manager.prefetch(upcoming, keep)
 
     def _lora_manager_or_raise(self) -> LoRAManager:
@@ -673,7 +678,7 @@ class LLMEngine:
             step = dataclasses.replace(step, input_ids=_fed_input_ids(step, sched, fed_rows))
         out = self.runner.execute(step, sched.is_decode_only)
         if self.lora_manager is not None:
-            self._prefetch_adapters()  # while the step runs
+            self._prefetch_adapters(sched)  # while the step runs
         if step.prompt_rows:
             assert out is not None and out.prompt_hidden is not None
             self._score_prompts(step, seqs, out.prompt_hidden)

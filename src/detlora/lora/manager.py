@@ -211,14 +211,15 @@ class LoRAManager:
     def prefetch(self, upcoming: Sequence[LoRARequest], keep: Collection[int] = ()) -> int:
         """Prepare the adapters of the next steps, ``upcoming`` (most urgent first): start
         reading those not in the host cache on worker threads, and copy those that are cached
-        into free slots, or into slots of adapters outside ``keep`` (the running requests'),
-        the current step and ``upcoming``, while the current step runs (call it once the step
-        is launched). Never waits for disk
-        and never fails: a bad adapter's error comes when a step needs it. Returns how many
-        adapters were copied into slots."""
+        into free slots, or into slots of adapters outside ``keep`` (those a later step still
+        reads: the running requests', less any whose requests all end in the launched step)
+        and ``upcoming``, while the current step runs (call it once the step is launched: a
+        copy into a slot it reads waits for it on the GPU). Never waits for disk and never
+        fails: a bad adapter's error comes when a step needs it. Returns how many adapters
+        were copied into slots."""
         self.writer.launched()  # the step prepared last is enqueued: its slots are marked
         self.host.prefetch([r for r in upcoming if r.id not in self._slots])
-        protected = set(keep) | self._step | {r.id for r in upcoming}
+        protected = set(keep) | {r.id for r in upcoming}
         copied = 0
         for request in upcoming:
             if request.id in self._slots or not self.host.ready(request.id):

@@ -2,12 +2,13 @@
 
 A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices stay zero, as
 ``LoRASlots.set_slot`` leaves them) and copies each piece of the image and the scales in. On
-CUDA it is one host-to-device copy of the whole image into a staging buffer and a few batched
-device copies (``torch._foreach_*``), all on a side stream, so the step in flight keeps
-running: the copy waits only for the last launched step that read the slot's previous adapter
-(``use`` while a step is prepared, ``launched`` once it is enqueued), and the next step that
-reads the slot waits for the copy (``wait_ready``). A slot the step being prepared reads is
-never written. On the CPU everything is
+CUDA it is one host-to-device copy of the whole image into a staging buffer, a batched zero
+(``torch._foreach_zero_``) and two ``copy_pieces`` launches (pieces, then scales, from tables
+of destination addresses cached per slot and image layout), all on a side stream, so the
+step in flight keeps running: the copy waits only for the last launched step that read the
+slot's previous adapter (``use`` while a step is prepared, ``launched`` once it is
+enqueued), and the next step that reads the slot waits for the copy (``wait_ready``). A slot
+the step being prepared reads is never written. On the CPU everything is
 synchronous. Either way a slot holds exactly the values ``set_slot`` would give it, so a
 slot's content, and every output bit, is the same however and whenever it was written.
 """
@@ -20,7 +21,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from detlora.layers.linear import LinearBase
-from detlora.lora.host_cache import AdapterImage
+from detlora.lora.host_cache import AdapterImage, ImagePiece
+from detlora.ops.copy_pieces import copy_pieces, piece_table
 
 _VIEW_CACHE = 512  # (slot, layout) entries of destination views kept
 
@@ -43,7 +45,10 @@ class SlotWriter:
         self._in_step: set[int] = set()  # read by the step being prepared (not launched)
         self.marks = 0
         self._dst_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
-        self._src_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
+        # copy_pieces tables and their chunks (CUDA): per (slot, layout), and per slot for
+        # the scales
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+        self._scale_tables: dict[int, tuple[torch.Tensor, int]] = {}
         if self.cuda:  # now, so that the KV cache is sized with it allocated
             self._staging_for(0)
 
@@ -124,6 +129,9 @@ class SlotWriter:
         bytes) into it, on the current stream."""
         zero, scale_dst = self._slot_views(slot)
         torch._foreach_zero_(zero)
+        if self.cuda:
+            self._copy_by_table(slot, image, src)
+            return
         a_dst, b_dst = self._piece_views(slot, image)
         a_src, b_src = self._source_views(image, src)
         if a_dst:
@@ -132,6 +140,27 @@ class SlotWriter:
             torch._foreach_copy_(b_dst, b_src)
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
         torch._foreach_copy_(scale_dst, list(scales.view(torch.float32).split(1)))
+
+    def _copy_by_table(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
+        """The pieces and scales of ``image`` (in ``src``, bytes) into ``slot``: one
+        ``copy_pieces`` launch each (a ``copy_`` per strided piece would cost the host a
+        launch per piece)."""
+        if image.data_bytes:
+            key = (slot, image.layout)
+            table = self._tables.get(key)
+            if table is None:
+                table = self._remember(self._tables, key, piece_table(
+                    [(p.offset, self._dst_view(slot, p)) for p in image.pieces], self.device))
+            else:
+                self._tables.move_to_end(key)
+            copy_pieces(src[: image.data_bytes].view(self.dtype), *table)
+        table = self._scale_tables.get(slot)
+        if table is None:
+            _, scale_dst = self._slot_views(slot)
+            table = self._scale_tables[slot] = piece_table(
+                [(i, d.view(1, 1)) for i, d in enumerate(scale_dst)], self.device)
+        scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
+        copy_pieces(scales.view(torch.float32), *table)
 
     def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = ("slot", slot)
@@ -149,32 +178,28 @@ class SlotWriter:
         if views is None:
             a_views, b_views = [], []
             for p in image.pieces:
-                lora = self.linears[p.linear].lora
-                if p.kind == "a":
-                    a_views.append(lora.lora_a[slot, p.slice, : p.rank])
-                else:
-                    lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
-                    b_views.append(lora.lora_b[slot, lo:hi, : p.rank])
+                (a_views if p.kind == "a" else b_views).append(self._dst_view(slot, p))
             views = self._remember(self._dst_views, key, (a_views, b_views))
         else:
             self._dst_views.move_to_end(key)
         return views
 
-    def _source_views(self, image: AdapterImage, src: torch.Tensor) -> tuple[list, list]:
-        def build() -> tuple[list, list]:
-            data = src[: image.data_bytes].view(self.dtype)
-            a_views, b_views = [], []
-            for p in image.pieces:
-                view = data[p.offset: p.offset + p.numel].view(p.shape)
-                (a_views if p.kind == "a" else b_views).append(view)
-            return a_views, b_views
+    def _dst_view(self, slot: int, p: ImagePiece) -> torch.Tensor:
+        """Where piece ``p`` goes in ``slot``: A [rank, in] or B [out of its slice, rank]."""
+        lora = self.linears[p.linear].lora
+        if p.kind == "a":
+            return lora.lora_a[slot, p.slice, : p.rank]
+        lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
+        return lora.lora_b[slot, lo:hi, : p.rank]
 
-        if not self.cuda:  # the image's own memory: nothing to reuse
-            return build()
-        views = self._src_views.get(image.layout)  # views of the staging buffer
-        if views is None:
-            views = self._remember(self._src_views, image.layout, build())
-        return views
+    def _source_views(self, image: AdapterImage, src: torch.Tensor) -> tuple[list, list]:
+        """Views of ``image``'s A and B pieces in ``src`` (bytes), in image order."""
+        data = src[: image.data_bytes].view(self.dtype)
+        a_views, b_views = [], []
+        for p in image.pieces:
+            view = data[p.offset: p.offset + p.numel].view(p.shape)
+            (a_views if p.kind == "a" else b_views).append(view)
+        return a_views, b_views
 
     @staticmethod
     def _remember(cache: OrderedDict, key: tuple, value: tuple) -> tuple:

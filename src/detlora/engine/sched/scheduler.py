@@ -99,12 +99,13 @@ class Scheduler:
     def upcoming_adapters(self, limit: int) -> list[object]:
         """The first ``limit`` distinct adapters of waiting sequences, in queue order, that no
         running sequence uses: the ones the next admissions will ask for."""
-        running = {s.lora for s in self.running}
+        seen = {s.lora for s in self.running}
         out: list[object] = []
         for seq in self.waiting:
             if len(out) >= limit:
                 break
-            if seq.lora is not None and seq.lora not in running and seq.lora not in out:
+            if seq.lora is not None and seq.lora not in seen:
+                seen.add(seq.lora)
                 out.append(seq.lora)
         return out
 

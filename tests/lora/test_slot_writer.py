@@ -1,0 +1,39 @@
+"""SlotWriter's CUDA fill (copy_pieces tables, run here in the interpreter) leaves a slot
+bit-equal to the torch fill of the CPU path, for adapters of several ranks and targets, over a
+slot that held something else (NaN) before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.adapter_files import write_adapter
+
+from detlora.lora.manager import LoRAManager
+from detlora.lora.request import LoRARequest
+
+
+def _slot(model, slot):
+    return [t[slot].clone() for lin, _ in model.lora_linears()
+            for t in (lin.lora.lora_a, lin.lora.lora_b, lin.lora.lora_scale)]
+
+
+@pytest.mark.parametrize("r", [2, 8])
+def test_table_fill_equals_the_torch_fill(model, tmp_path, r):
+    req = LoRARequest("x", 1, str(write_adapter(tmp_path / "x", seed=r, r=r, alpha=16)))
+    m = LoRAManager(model)
+    w = m.writer
+    image, _ = m.host.get(req)
+    src = image.block.data
+    w._fill(0, image, src)  # the CPU path: torch copies
+    want = _slot(model, 0)
+    for lin, _ in model.lora_linears():
+        for t in (lin.lora.lora_a, lin.lora.lora_b, lin.lora.lora_scale):
+            t[1].fill_(float("nan"))
+    zero, _ = w._slot_views(1)
+    torch._foreach_zero_(zero)
+    w._copy_by_table(1, image, src)
+    w._copy_by_table(1, image, src)  # the cached tables give the same
+    got = _slot(model, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(w._tables) == 1 and set(w._scale_tables) == {1}
+    m.host.release(image)

@@ -1,0 +1,52 @@
+"""copy_pieces in the interpreter: pieces of a flat buffer land bit for bit in strided views of
+several tensors, nothing else is touched, bad inputs are refused."""
+
+import pytest
+import torch
+
+from detlora.ops.copy_pieces import CHUNK, copy_pieces, piece_table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_land_in_their_views(dtype):
+    g = torch.Generator().manual_seed(0)
+    a = torch.full((3, 2, 8, 40), float("nan"), dtype=dtype)  # like lora_a [slots, S, R, in]
+    b = torch.full((3, 90, 8), float("nan"), dtype=dtype)  # like lora_b [slots, out, R]
+    scale = torch.full((3,), float("nan"), dtype=dtype)
+    big = torch.full((CHUNK + 7, 2), float("nan"), dtype=dtype)  # more than one chunk
+    views = [a[1, 0, :5], a[1, 1, :3], b[1, 10:70, :5], b[1, 70:90, :3], b[2, :1, :1],
+             scale[2:3].view(1, 1), big[:, :1]]
+    pieces, at = [], 0
+    for v in views:
+        pieces.append((at, v))
+        at += v.numel()
+    src = torch.randn(at + 11, generator=g).to(dtype)
+    want = [src[o: o + v.numel()].view(v.shape).clone() for o, v in pieces]
+    before = [t.clone() for t in (a, b, scale, big)]
+    table, chunks = piece_table(pieces, src.device)
+    assert chunks == 2
+    copy_pieces(src, table, chunks, views)
+    for v, w in zip(views, want, strict=True):
+        assert torch.equal(v, w)
+    # Everything outside the views is as it was (NaN compares unequal: count NaNs).
+    covered = sum(v.numel() for v in views)
+    nans = sum(int(t.isnan().sum()) for t in before) - sum(
+        int(t.isnan().sum()) for t in (a, b, scale, big))
+    assert nans == covered
+
+
+def test_bad_inputs():
+    dst = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="unit column stride"):
+        piece_table([(0, dst[:, ::2])], dst.device)
+    with pytest.raises(ValueError, match="2-D"):
+        piece_table([(0, dst[0])], dst.device)
+    with pytest.raises(ValueError, match="offsets must be >= 0"):
+        piece_table([(-1, dst)], dst.device)
+    table, chunks = piece_table([(0, dst)], dst.device)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        copy_pieces(torch.zeros(4, 4), table, chunks)
+    with pytest.raises(ValueError, match="int64"):
+        copy_pieces(torch.zeros(16), table.int(), chunks)
+    with pytest.raises(ValueError, match=r"destination is torch\.float16"):
+        copy_pieces(torch.zeros(16), table, chunks, [dst.half()])
