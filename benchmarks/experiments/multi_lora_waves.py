@@ -20,6 +20,7 @@ its draws), at max_loras 8 and 32, and reports for the timed pass with the host 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import sys
 import tempfile
@@ -49,6 +50,30 @@ MAX_LORAS = (8, 32)
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall seconds of ``fn()`` (synchronised) and the milliseconds the cyclic garbage
+    collector ran meanwhile."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    _sync()
+    gc.callbacks.append(watch)
+    try:
+        t = time.perf_counter()
+        fn()
+        _sync()
+        wall = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(watch)
+    return wall, round(sum(pauses) * 1e3, 2)
 
 
 def _instrument(llm: Any, clock: _PhaseClock) -> None:
@@ -142,32 +167,38 @@ def run(tiny: bool = False, log=print) -> dict[str, Any]:
         _, picks = _distributions(plan, ml)["working_set_uniform"]
         loras = [adapters[k] for k in picks]
         single = [adapters[0]] * len(prompts)
-        llm.generate(prompts, params, single, use_tqdm=False)  # compile, graphs
-        _sync()
-        t = time.perf_counter()
-        llm.generate(prompts, params, single, use_tqdm=False)
-        _sync()
-        single_s = time.perf_counter() - t
+        run_single = functools.partial(llm.generate, prompts, params, single, use_tqdm=False)
+        again = functools.partial(llm.generate, prompts, params, loras, use_tqdm=False)
+        run_single()  # compile, graphs
+        singles = [_timed(run_single) for _ in range(3)]
+        single_s = sorted(s for s, _ in singles)[1]
         llm.generate(prompts, params, loras, use_tqdm=False)  # pass 1: the host cache fills
         clock = _PhaseClock()
         _instrument(llm, clock)
         eng = llm.engine
         steps, swaps = eng.num_steps, eng.lora_stats.swaps
-        _sync()
-        t = time.perf_counter()
-        llm.generate(prompts, params, loras, use_tqdm=False)
-        _sync()
-        wall = time.perf_counter() - t
-        row = {"max_loras": ml, "adapters": len(set(picks)), "single_s": round(single_s, 3),
-               "working_set_s": round(wall, 3), "vs_single": round(single_s / wall, 3),
+        wall, gc_ms = _timed(again)
+        row = {"max_loras": ml, "adapters": len(set(picks)),
+               "single_s": [round(s, 3) for s, _ in singles],
+               "single_gc_ms": [g for _, g in singles],
+               "working_set_s": round(wall, 3), "working_set_gc_ms": gc_ms,
+               "vs_single": round(single_s / wall, 3),
                "steps": eng.num_steps - steps, "swaps": eng.lora_stats.swaps - swaps,
                "phases_s": {k: round(v, 4) for k, v in clock.seconds.items()},
                "phase_calls": dict(clock.calls)}
+        gc.collect()
+        gc.freeze()  # everything alive now out of the collector's scans (vLLM does it)
+        frozen = [_timed(again) for _ in range(2)]
+        frozen_single = _timed(run_single)
+        gc.unfreeze()
+        row["gc_frozen"] = {"working_set_s": [round(s, 3) for s, _ in frozen],
+                            "working_set_gc_ms": [g for _, g in frozen],
+                            "single_s": round(frozen_single[0], 3),
+                            "single_gc_ms": frozen_single[1]}
         log(json.dumps(row))
         row["swap"] = _swap_times(llm, loras)
         log(json.dumps(row["swap"]))
         clock.reset()
-        again = functools.partial(llm.generate, prompts, params, loras, use_tqdm=False)
         if llm.engine.runner.device.type == "cuda":
             row["gpu"] = _gpu_profile(again)
             log(json.dumps({k: v for k, v in row["gpu"].items() if k != "kernels"}))
