@@ -147,18 +147,3 @@ def test_no_room_message_names_the_holder():
     assert others.split("; ")[1].startswith("100.00 GiB are used outside PyTorch's allocator "
                                             "(other processes")
 
-
-def test_a_frozen_heap_still_frees_a_dropped_engine(llama_dir, no_gc):
-    # A CUDA engine freezes the heap once it is up (gc.freeze: full collections stop
-    # scanning it); frozen objects are still freed by reference counting, and shutdown
-    # unfreezes them.
-    llm = _llm(llama_dir)
-    llm.engine._freeze_heap()
-    assert gc.get_freeze_count() > 0
-    refs = _watch(llm)
-    del llm
-    assert _alive(refs) == []
-    other = _llm(llama_dir)
-    other.engine._freeze_heap()
-    other.engine.shutdown()
-    assert gc.get_freeze_count() == 0

@@ -423,9 +423,6 @@ def test_arrivals_join_steps_launched_ahead_with_the_step_by_step_bits(assets, m
     engine = llm.engine
     assert engine.run_ahead and engine.runner.uses_cuda_graphs
     assert (engine.runner.step_graphs is not None) == step_graphs
-    import gc
-
-    assert gc.get_freeze_count() > 0  # a CUDA engine freezes the heap once it is up
     ahead = _arrivals(engine, prompts, loras)
     admitted = engine.num_admitted_ahead
     engine.run_ahead = False

@@ -31,6 +31,7 @@ core -> front end
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import traceback
@@ -265,6 +266,12 @@ def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArg
     except Exception as e:  # e.g. a bad model directory: the front end reports it
         conn_out.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    # The process lives as long as its engine: move everything alive now out of the cyclic
+    # collector's scans (gc.freeze, as vLLM's engine core does), so full collections over
+    # the engine's objects stop pausing the loop (docs/decisions.md, "Many adapters: where
+    # a wave's time goes").
+    gc.collect()
+    gc.freeze()
     conn_out.send(("ready", info))
     EngineCore(engine, conn_in, conn_out).run()
 

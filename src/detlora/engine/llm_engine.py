@@ -294,8 +294,6 @@ class LLMEngine:
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
-        if self.device.type == "cuda":
-            self._freeze_heap()
         kv_gib = num_blocks * config.block_size * self.spec.kv_cache_bytes_per_token(
             self.dtype) / 2**30
         logger.info(
@@ -596,23 +594,11 @@ class LLMEngine:
             self.tp_driver.shutdown()
         import gc
 
-        gc.unfreeze()  # objects frozen when an engine came up are collectable again
         gc.collect()  # anything a user's own cycles held of it
         device = getattr(self, "device", None)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
-
-    def _freeze_heap(self) -> None:
-        """Collect, then move every live object (the engine's included) out of the cyclic
-        collector's scans (``gc.freeze``, as vLLM does once its engine is up): full
-        collections over them paused generate calls at random (docs/decisions.md, "Many
-        adapters: where a wave's time goes"). Objects are still freed by reference counting;
-        ``shutdown`` unfreezes before its own collection."""
-        import gc
-
-        gc.collect()
-        gc.freeze()
 
     def _check_running(self) -> None:
         if self.is_shut_down:
