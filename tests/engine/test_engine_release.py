@@ -146,4 +146,3 @@ def test_no_room_message_names_the_holder():
                                        engine_peak=17 * gib, **common)
     assert others.split("; ")[1].startswith("100.00 GiB are used outside PyTorch's allocator "
                                             "(other processes")
-
