@@ -76,6 +76,8 @@ class _InFlight:
     positions: list[int]  # index of each row's token in its sequence's token_ids
     pending: PendingSample
     step: int  # the engine step that launched it (LLMEngine.num_steps), for error messages
+    # Sequences reading label logprobs in this step, and those logprobs on their way
+    labels: tuple[list[Seq], PendingSample] | None = None
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -693,7 +695,7 @@ class LLMEngine:
         fed_of = {} if fed_rows is None else {
             id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)
             if r is not None}
-        self._read_labels(sampling, out.logits)
+        labels = self._read_labels(sampling, out.logits)
         requests = [self._sample_request(s, fed_of.get(id(s))) for s in sampling]
         pending = self.sampler.launch(out.logits, requests, greedy=out.greedy,
                                       fed=self.runner.fed_tokens if fed_of else None)
@@ -702,7 +704,7 @@ class LLMEngine:
         positions = [len(s.token_ids) for s in sampling]
         for s in sampling:  # the token's place, filled when the step is read
             s.token_ids.append(UNREAD)
-        return _InFlight(sampling, positions, pending, self.num_steps)
+        return _InFlight(sampling, positions, pending, self.num_steps, labels)
 
     def _activate_adapters(
         self, sched: SchedulerOutput, fed_rows: list[int] | None,
@@ -746,17 +748,18 @@ class LLMEngine:
         self.scheduler.finish(seq, FinishReason.ERROR)
         self._failed.append(seq)
 
-    def _read_labels(self, sampling: list[Seq], logits: torch.Tensor) -> None:
-        """The raw logprobs at their label ids of the rows sampling a first output token."""
+    def _read_labels(self, sampling: list[Seq], logits: torch.Tensor
+                     ) -> tuple[list[Seq], PendingSample] | None:
+        """Queue the raw logprobs at their label ids of the rows sampling a first output
+        token; ``_collect`` hands them to their sequences with the step's tokens."""
         rows = [i for i, s in enumerate(sampling) if s.label_token_ids is not None
                 and s.label_logprobs is None and s.num_output_tokens == 0]
         if not rows:
-            return
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device)
-        values = self.sampler.token_logprobs(logits.index_select(0, index),
-                                             [sampling[i].label_token_ids for i in rows])
-        for i, lp in zip(rows, values, strict=True):
-            sampling[i].label_logprobs = lp
+            return None
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        pending = self.sampler.launch_token_logprobs(
+            logits.index_select(0, index), [sampling[i].label_token_ids for i in rows])
+        return [sampling[i] for i in rows], pending
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when every running sequence is
@@ -802,6 +805,10 @@ class LLMEngine:
     def _collect(self, inflight: _InFlight) -> list[Seq]:
         """Read a launched step's tokens into its sequences; the sequences that got one."""
         results = inflight.pending.result()
+        if inflight.labels is not None:
+            seqs, pending = inflight.labels
+            for seq, logprobs in zip(seqs, pending.result(), strict=True):
+                seq.label_logprobs = logprobs
         touched: list[Seq] = []
         now = time.time()
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):

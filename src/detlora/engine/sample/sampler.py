@@ -228,7 +228,7 @@ def _adjust_tensors(dev: torch.Tensor, sections: dict[str, slice],
 
 
 class PendingSample:
-    """Sampled tokens on their way to the host.
+    """Sampled tokens (or label logprobs) on their way to the host.
 
     ``tokens`` stays on the device (int64 or float64 ids, one per row, always inside the
     vocabulary) for a step launched before this one is read; ``result()`` waits for the copy
@@ -237,16 +237,16 @@ class PendingSample:
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None,
                  tokens: torch.Tensor | None,
-                 parse: Callable[[list[float]], list[SampleResult]]) -> None:
+                 parse: Callable[[list], list]) -> None:
         self.tokens = tokens
         self._host = host
         self._event = event
         self._parse = parse
-        self._results: list[SampleResult] | None = None
+        self._results: list | None = None
 
     @classmethod
     def read(cls, values: torch.Tensor, tokens: torch.Tensor | None,
-             parse: Callable[[list[float]], list[SampleResult]]) -> PendingSample:
+             parse: Callable[[list], list]) -> PendingSample:
         """Start copying ``values`` to the host: pinned and non-blocking on CUDA."""
         if values.device.type != "cuda":
             return cls(values, None, tokens, parse)
@@ -256,7 +256,7 @@ class PendingSample:
         event.record()
         return cls(host, event, tokens, parse)
 
-    def result(self) -> list[SampleResult]:
+    def result(self) -> list:
         if self._results is None:
             if self._event is not None:
                 self._event.synchronize()
@@ -336,12 +336,23 @@ class Sampler:
         """Per row of ``logits``: {t: logprob} for the ids ``token_ids[i]``, from
         ``log_softmax`` of the raw logits in fp32 (no temperature, filter or adjustment):
         row-wise, so batch-invariant with the backend's log_softmax; one read."""
+        return self.launch_token_logprobs(logits, token_ids).result()
+
+    def launch_token_logprobs(self, logits: torch.Tensor,
+                              token_ids: Sequence[Sequence[int]]) -> PendingSample:
+        """``token_logprobs`` without waiting: queued on the device, read by ``result()``
+        (so a step launched ahead is not waited for when it reads labels)."""
         width = max(len(ids) for ids in token_ids)
         index = torch.tensor([list(ids) + [ids[0]] * (width - len(ids)) for ids in token_ids],
-                             dtype=torch.int64).to(logits.device)
-        values = self._log_softmax(logits.float()).float().gather(1, index).tolist()
-        return [{int(t): v for t, v in zip(ids, row, strict=False)}
-                for ids, row in zip(token_ids, values, strict=True)]
+                             dtype=torch.int64).to(logits.device, non_blocking=True)
+        values = self._log_softmax(logits.float()).float().gather(1, index)
+        ids_of = [tuple(int(t) for t in ids) for ids in token_ids]
+
+        def parse(rows: list[list[float]]) -> list[dict[int, float]]:
+            return [dict(zip(ids, row, strict=False))
+                    for ids, row in zip(ids_of, rows, strict=True)]
+
+        return PendingSample.read(values, None, parse)
 
     def _chosen(self, x: torch.Tensor, index: torch.Tensor, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
