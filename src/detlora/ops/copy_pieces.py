@@ -45,6 +45,12 @@ def _copy_pieces_kernel(src_ptr, table_ptr, CHUNK: tl.constexpr):
         tl.store(dst_ptr + (e // cols) * stride + e % cols, values, mask=mask)
 
 
+def copy_pieces_ref(src: torch.Tensor, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """The semantics in torch: one ``copy_`` per piece."""
+    for offset, dst in pieces:
+        dst.copy_(src[offset: offset + dst.numel()].view(dst.shape))
+
+
 def piece_table(pieces: Sequence[tuple[int, torch.Tensor]], device: torch.device
                 ) -> tuple[torch.Tensor, int]:
     """The int64 table of ``pieces`` ((source offset in elements, 2-D destination view)) on
