@@ -14,7 +14,11 @@ its draws), at max_loras 8 and 32, and reports for the timed pass with the host 
   kernels by total time;
 * ``host``: cProfile of a fourth pass (own time per function).
 
-    PYTHONPATH=src python -m benchmarks.experiments.multi_lora_waves OUT.json [--tiny]
+    PYTHONPATH=src python -m benchmarks.experiments.multi_lora_waves OUT.json [--tiny|--host]
+
+``--host`` runs the full traffic plan on a tiny model on the CPU: the scheduler, adapter
+activation and prefetch, input building and output reading are the GPU run's host code, so
+their times there are what a change to them saves.
 """
 
 from __future__ import annotations
@@ -148,8 +152,12 @@ def _gpu_profile(fn: Any) -> dict[str, Any]:
                         for k, v in top]}
 
 
-def run(tiny: bool = False, log=print) -> dict[str, Any]:
+def run(tiny: bool = False, log=print, host: bool = False) -> dict[str, Any]:
+    """``tiny``: every code path at CPU size; ``host``: the full traffic plan on the tiny
+    model on the CPU, where the engine's host phases are the same code as on the GPU."""
     plan = Plan.tiny() if tiny else Plan()
+    if host:
+        plan = replace(plan, traffic_model=Plan.tiny().traffic_model, device="cpu")
     plan = replace(plan, adapters=plan.working_set_factor * max(
         plan.traffic_max_loras if tiny else MAX_LORAS))
     name, shape = plan.traffic_model
@@ -161,7 +169,7 @@ def run(tiny: bool = False, log=print) -> dict[str, Any]:
     params = _params(plan)
     levels = []
     for ml in (plan.traffic_max_loras if tiny else MAX_LORAS):
-        llm = _llm(model, plan, max_loras=ml, num_kv_blocks=None if tiny else 1280)
+        llm = _llm(model, plan, max_loras=ml, num_kv_blocks=None if tiny or host else 1280)
         for r in adapters:
             llm.register_lora(r)
         _, picks = _distributions(plan, ml)["working_set_uniform"]
@@ -213,8 +221,7 @@ def run(tiny: bool = False, log=print) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0] if argv else "benchmarks/results/multi_lora_waves.json"
-    tiny = "--tiny" in argv
-    result = run(tiny)
+    result = run("--tiny" in argv, host="--host" in argv)
     write_results(out, {"meta": results_meta(
         "python -m benchmarks.experiments.multi_lora_waves " + " ".join(argv)), **result})
     return 0
