@@ -20,6 +20,7 @@ from typing import Any
 
 from detlora.config import RequestOutputKind, SamplingParams
 from detlora.decisions import answer, parse_questions, plan_reads
+from detlora.engine.frozen_heap import frozen_heap
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.model_files import resolve_model_files
 from detlora.engine.outputs import RequestOutput
@@ -241,13 +242,14 @@ class LLM:
         bar = _Progress(seqs, enabled=use_tqdm)
         by_id: dict[str, RequestOutput] = {}
         try:
-            while engine.has_unfinished():
-                finished = 0
-                for out in engine.step():
-                    if out.finished:
-                        by_id[out.request_id] = out
-                        finished += 1
-                bar.step(finished)
+            with frozen_heap():  # collections in the loop skip what existed before it
+                while engine.has_unfinished():
+                    finished = 0
+                    for out in engine.step():
+                        if out.finished:
+                            by_id[out.request_id] = out
+                            finished += 1
+                    bar.step(finished)
         except BaseException:
             engine.abort_all()  # leave no half-run request behind for the next call
             raise
