@@ -46,7 +46,7 @@ from benchmarks.suites.multi_lora import (
     _prompts,
     write_adapters,
 )
-from benchmarks.suites.profile_engine import _PhaseClock, busy_us, host_profile
+from benchmarks.suites.profile_engine import _PhaseClock, busy_us, device_events, host_profile
 
 MAX_LORAS = (8, 32)
 
@@ -127,20 +127,7 @@ def _swap_times(llm: Any, adapters: list[Any], reps: int = 5) -> list[dict[str, 
 
 
 def _gpu_profile(fn: Any) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-               and "dur" in e]
+    wall_us, kernels = device_events(fn)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in kernels:
         entry = by_name[e["name"][:100]]

@@ -179,25 +179,31 @@ def busy_us(events: list[dict[str, Any]]) -> float:
     return total
 
 
-def _overlap(llm: Any, w: Any, b: int) -> dict[str, Any]:
-    """How much of a plain ``generate`` at batch ``b`` keeps the GPU busy, and the host's
-    time by function (see the module doc)."""
+def device_events(fn: Callable[[], Any]) -> tuple[float, list[dict[str, Any]]]:
+    """One synchronised call of ``fn`` under the CUDA profiler: its wall time (us) and the
+    trace's kernel, copy and memset events."""
     from torch.profiler import ProfilerActivity, profile
 
-    idx = list(range(b))
-    w.generate(llm, idx)  # warm-up (graphs, caches)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        w.generate(llm, idx)
+        fn()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-               and "dur" in e]
+    return wall_us, [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                     and "dur" in e]
+
+
+def _overlap(llm: Any, w: Any, b: int) -> dict[str, Any]:
+    """How much of a plain ``generate`` at batch ``b`` keeps the GPU busy, and the host's
+    time by function (see the module doc)."""
+    idx = list(range(b))
+    w.generate(llm, idx)  # warm-up (graphs, caches)
+    wall_us, kernels = device_events(lambda: w.generate(llm, idx))
     busy = busy_us(kernels)
     return {"batch": b, "wall_ms": round(wall_us / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
             "gpu_busy_fraction": round(busy / wall_us, 3),
