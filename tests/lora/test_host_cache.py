@@ -103,6 +103,31 @@ def test_prefetch_reads_on_worker_threads(adapters):
     cache.shutdown()
 
 
+def _wait_ready(cache, ids, timeout=30.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not all(cache.ready(i) for i in ids):
+        assert time.monotonic() < end, f"reads of {ids} did not finish"
+        time.sleep(0.01)
+
+
+def test_finished_reads_leave_the_pending_set(adapters):
+    """A read ahead that finished is cached, not pending: it does not count against
+    max_adapters when the window moves on (the next adapters are read ahead), and the
+    pending set does not grow with every adapter ever read."""
+    cache, stats = _cache(tiny_model(), max_adapters=2)
+    a, b, c, d = adapters
+    assert cache.prefetch([a, b]) == 2
+    _wait_ready(cache, [1, 2])
+    assert cache.prefetch([c, d]) == 2  # a and b are cached, outside the window: room
+    _wait_ready(cache, [3, 4])
+    cache.prefetch([c, d])
+    assert not cache._pending and stats.disk_loads == 4
+    assert sorted(cache.cached()) == [3, 4]
+    cache.shutdown()
+
+
 def test_failed_prefetch_is_reported_once_then_retried(tmp_path, adapters):
     cache, _ = _cache(tiny_model())
     bad = LoRARequest("bad", 9, str(write_adapter(tmp_path / "bad", use_dora=True)))

@@ -227,8 +227,10 @@ class HostAdapterCache:
         started = 0
         with self._lock:
             for lora_id, future in list(self._pending.items()):
-                if future.done() and isinstance(future.exception(), _NoRoom):
-                    del self._pending[lora_id]  # not kept then: may be read ahead again
+                # A finished read is cached (or not kept: may be read ahead again), not
+                # pending; a failed one stays for ``get`` and ``failed`` to report.
+                if future.done() and isinstance(future.exception(), _NoRoom | None):
+                    del self._pending[lora_id]
             self._wanted = frozenset(r.id for r in requests)
             kept = sum(1 for i in self._images if i in self._wanted) + len(self._pending)
             for request in requests:
