@@ -18,6 +18,13 @@ def test_positional_keywords_and_vllm_aliases_agree():
     assert (a.lora_name, a.lora_int_id, a.lora_path) == ("tox", 1, "/adapters/tox")
 
 
+def test_hash_is_the_ids_and_sets_still_tell_requests_apart():
+    a = LoRARequest("tox", 1, "/adapters/tox")
+    renamed = LoRARequest("other", 1, "/adapters/tox")
+    assert hash(a) == hash(renamed) == hash(1) and a != renamed
+    assert len({a, renamed, LoRARequest("tox", 1, "/adapters/tox")}) == 2
+
+
 def test_frozen():
     with pytest.raises(AttributeError):
         LoRARequest("tox", 1, "/x").id = 2

@@ -57,6 +57,11 @@ class LoRARequest:
         object.__setattr__(self, "path", p)
         object.__setattr__(self, "_real_path", os.path.realpath(p))
 
+    def __hash__(self) -> int:
+        """The id's hash: equal requests have equal ids, and sets and dicts of requests (the
+        scheduler's, every step) hash one int instead of three fields."""
+        return hash(self.id)
+
     @property
     def real_path(self) -> str:
         """The adapter directory: ``path`` resolved when this request was made."""

@@ -99,12 +99,14 @@ class SlotWriter:
 
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Work enqueued from now on (the current stream) waits for copies into ``slots``."""
-        if not self.cuda:
-            return
-        current = torch.cuda.current_stream(self.device)
+        if not self.cuda or not self._ready:
+            return  # (looking up the current stream costs more than the whole check)
+        current = None
         for slot in slots:
             event = self._ready.pop(slot, None)
             if event is not None:
+                if current is None:
+                    current = torch.cuda.current_stream(self.device)
                 current.wait_event(event)
 
     # ---- internals ----
