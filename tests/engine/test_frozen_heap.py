@@ -76,3 +76,29 @@ def test_cycles_made_in_the_block_are_still_collected():
         a.other, b.other = b, a
         del a, b
         assert gc.collect() >= 2
+
+
+def test_the_engine_core_process_freezes_its_heap_once_the_engine_is_up(llama_dir):
+    # run_engine_core is the core process's entry point; here on a thread of this process,
+    # with pipes as the front end would give it.
+    import threading
+    from multiprocessing import Pipe
+
+    from detlora.engine.core_proc import run_engine_core
+    from detlora.engine_args import EngineArgs
+
+    to_core, core_in = Pipe()
+    core_out, from_core = Pipe()
+    config = EngineArgs(model=str(llama_dir), device="cpu", max_model_len=64)
+    core = threading.Thread(target=run_engine_core, args=(core_in, core_out, config, None))
+    core.start()
+    try:
+        assert from_core.poll(120), "the core never answered"
+        kind, _ = from_core.recv()
+        assert kind == "ready"
+        assert gc.get_freeze_count() > 0
+        to_core.send(("shutdown", False))
+        core.join(60)
+        assert not core.is_alive()
+    finally:
+        gc.unfreeze()
