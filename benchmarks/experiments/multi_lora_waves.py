@@ -98,7 +98,7 @@ def _swap_times(llm: Any, adapters: list[Any], reps: int = 5) -> list[dict[str, 
     writer = mgr.writer
     writer.launched()  # the last step is enqueued
     resident = mgr.resident()[0]
-    slot = mgr._slots[resident]
+    slot = mgr.slot_of(resident)
     mgr.remove(resident)  # a free slot to scribble on (zeroed again at the end)
     seen, rows = set(), []
     for req in adapters:
@@ -115,7 +115,7 @@ def _swap_times(llm: Any, adapters: list[Any], reps: int = 5) -> list[dict[str, 
             host.append((time.perf_counter() - t0) * 1e6)
             if writer.cuda:
                 start = time.perf_counter()
-                writer._stream.synchronize()
+                torch.cuda.synchronize()
                 gpu.append((time.perf_counter() - start) * 1e6 + host[-1])
             writer.wait_ready([slot])
         mgr.host.release(image, copied)

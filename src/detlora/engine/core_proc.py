@@ -31,7 +31,6 @@ core -> front end
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 import traceback
@@ -40,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from detlora.config import SamplingParams
+from detlora.engine.frozen_heap import freeze_heap_for_good
 from detlora.engine_args import EngineArgs
 from detlora.lora.request import LoRARequest
 
@@ -266,12 +266,7 @@ def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArg
     except Exception as e:  # e.g. a bad model directory: the front end reports it
         conn_out.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    # The process lives as long as its engine: move everything alive now out of the cyclic
-    # collector's scans (gc.freeze, as vLLM's engine core does), so full collections over
-    # the engine's objects stop pausing the loop (docs/decisions.md, "Many adapters: where
-    # a wave's time goes").
-    gc.collect()
-    gc.freeze()
+    freeze_heap_for_good()  # full collections over the engine's objects stop pausing the loop
     conn_out.send(("ready", info))
     EngineCore(engine, conn_in, conn_out).run()
 

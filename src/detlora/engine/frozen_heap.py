@@ -1,4 +1,5 @@
-"""A block in which the cyclic garbage collector scans only the objects made in it.
+"""Keeping the cyclic garbage collector off the objects alive now: for a block (a generate
+call) or for good (the engine core process).
 
 A full collection scans every object alive, and with torch, Triton and the engine loaded
 the heap is large: collections that fall into a generate call pause it at random
@@ -28,3 +29,10 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def freeze_heap_for_good() -> None:
+    """Collect, then freeze every live object until the process ends: for a process that
+    lives exactly as long as its engine (the engine core process, as vLLM's does)."""
+    gc.collect()
+    gc.freeze()
