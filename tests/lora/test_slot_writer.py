@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.adapter_files import write_adapter
+from tests.helpers.adapter_files import tiny_model, write_adapter
 
 from detlora.lora.manager import LoRAManager
 from detlora.lora.request import LoRARequest
@@ -18,7 +18,8 @@ def _slot(model, slot):
 
 
 @pytest.mark.parametrize("r", [2, 8])
-def test_table_fill_equals_the_torch_fill(model, tmp_path, r):
+def test_table_fill_equals_the_torch_fill(tmp_path, r):
+    model = tiny_model(max_loras=5)
     req = LoRARequest("x", 1, str(write_adapter(tmp_path / "x", seed=r, r=r, alpha=16)))
     m = LoRAManager(model)
     w = m.writer
@@ -28,12 +29,17 @@ def test_table_fill_equals_the_torch_fill(model, tmp_path, r):
     want = _slot(model, 0)
     for lin, _ in model.lora_linears():
         for t in (lin.lora.lora_a, lin.lora.lora_b, lin.lora.lora_scale):
-            t[1].fill_(float("nan"))
-    zero, _ = w._slot_views(1)
-    torch._foreach_zero_(zero)
-    w._copy_by_table(1, image, src)
-    w._copy_by_table(1, image, src)  # the cached tables give the same
-    got = _slot(model, 1)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert len(w._tables) == 1 and set(w._scale_tables) == {1}
+            t[1:].fill_(float("nan"))
+    others = [[t.clone() for t in _slot(model, s)] for s in range(3, m.max_loras)]
+    for slot in (1, 2):  # one table per layout serves every slot
+        zero, _ = w._slot_views(slot)
+        torch._foreach_zero_(zero)
+        w._copy_by_table(slot, image, src)
+        w._copy_by_table(slot, image, src)  # the cached tables give the same
+        got = _slot(model, slot)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len(w._tables) == 1 and w._scale_table is not None
+    for s, before in zip(range(3, m.max_loras), others, strict=True):  # untouched (NaN)
+        assert all(torch.equal(a.isnan(), b.isnan()) for a, b in
+                   zip(_slot(model, s), before, strict=True))
     m.host.release(image)

@@ -35,6 +35,26 @@ def test_pieces_land_in_their_views(dtype):
         assert torch.equal(got.isnan(), want.isnan())
 
 
+def test_one_table_serves_every_slot():
+    """Views given in slot 0 with their slot strides land in the slot asked for, and nothing
+    else changes."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.full((4, 2, 8, 40), float("nan"))  # [slots, S, R, in]
+    b = torch.full((4, 90, 8), float("nan"))  # [slots, out, R]
+    views = [a[0, 1, :5], b[0, 10:70, :5]]
+    strides = [a.stride(0), b.stride(0)]
+    src = torch.randn(5 * 40 + 60 * 5, generator=g)
+    table, chunks = piece_table([(0, views[0]), (200, views[1])], src.device, strides)
+    for slot in (3, 1):
+        want_a, want_b = a.clone(), b.clone()
+        copy_pieces_ref(src, [(0, want_a[slot, 1, :5]), (200, want_b[slot, 10:70, :5])])
+        copy_pieces(src, table, chunks, views, slot=slot)
+        for got, want in ((a, want_a), (b, want_b)):
+            assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+            assert torch.equal(got.isnan(), want.isnan())
+    assert a[0].isnan().all() and b[2].isnan().all()
+
+
 def test_bad_inputs():
     dst = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="unit column stride"):
@@ -43,7 +63,13 @@ def test_bad_inputs():
         piece_table([(0, dst[0])], dst.device)
     with pytest.raises(ValueError, match="offsets must be >= 0"):
         piece_table([(-1, dst)], dst.device)
+    with pytest.raises(ValueError, match="2 slot strides for 1 pieces"):
+        piece_table([(0, dst)], dst.device, [0, 0])
+    with pytest.raises(ValueError, match="slot strides must be >= 0"):
+        piece_table([(0, dst)], dst.device, [-4])
     table, chunks = piece_table([(0, dst)], dst.device)
+    with pytest.raises(ValueError, match="slot must be an int >= 0"):
+        copy_pieces(torch.zeros(16), table, chunks, slot=-1)
     with pytest.raises(ValueError, match="contiguous 1-D"):
         copy_pieces(torch.zeros(4, 4), table, chunks)
     with pytest.raises(ValueError, match="int64"):

@@ -4,7 +4,8 @@ A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices sta
 ``LoRASlots.set_slot`` leaves them) and copies each piece of the image and the scales in. On
 CUDA it is one host-to-device copy of the whole image into a staging buffer, a batched zero
 (``torch._foreach_zero_``) and two ``copy_pieces`` launches (pieces, then scales, from tables
-of destination addresses cached per slot and image layout), all on a side stream, so the
+of destination addresses cached per image layout, one for every slot), all on a side stream,
+so the
 step in flight keeps running: the copy waits only for the last launched step that read the
 slot's previous adapter (``use`` while a step is prepared, ``launched`` once it is
 enqueued), and the next step that reads the slot waits for the copy (``wait_ready``). A slot
@@ -45,10 +46,9 @@ class SlotWriter:
         self._in_step: set[int] = set()  # read by the step being prepared (not launched)
         self.marks = 0
         self._dst_views: OrderedDict[tuple, tuple[list, list]] = OrderedDict()
-        # copy_pieces tables and their chunks (CUDA): per (slot, layout), and per slot for
-        # the scales
+        # copy_pieces tables and their chunks (CUDA), per image layout, and the scales'
         self._tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
-        self._scale_tables: dict[int, tuple[torch.Tensor, int]] = {}
+        self._scale_table: tuple[torch.Tensor, int] | None = None
         if self.cuda:  # now, so that the KV cache is sized with it allocated
             self._staging_for(0)
 
@@ -148,21 +148,21 @@ class SlotWriter:
         ``copy_pieces`` launch each (a ``copy_`` per strided piece would cost the host a
         launch per piece)."""
         if image.data_bytes:
-            key = (slot, image.layout)
-            table = self._tables.get(key)
+            table = self._tables.get(image.layout)
             if table is None:
-                table = self._remember(self._tables, key, piece_table(
-                    [(p.offset, self._dst_view(slot, p)) for p in image.pieces], self.device))
+                table = self._remember(self._tables, image.layout, piece_table(
+                    [(p.offset, self._dst_view(0, p)) for p in image.pieces], self.device,
+                    [self._slot_stride(p) for p in image.pieces]))
             else:
-                self._tables.move_to_end(key)
-            copy_pieces(src[: image.data_bytes].view(self.dtype), *table)
-        table = self._scale_tables.get(slot)
-        if table is None:
-            _, scale_dst = self._slot_views(slot)
-            table = self._scale_tables[slot] = piece_table(
-                [(i, d.view(1, 1)) for i, d in enumerate(scale_dst)], self.device)
+                self._tables.move_to_end(image.layout)
+            copy_pieces(src[: image.data_bytes].view(self.dtype), *table, slot=slot)
+        if self._scale_table is None:
+            _, scale_dst = self._slot_views(0)
+            self._scale_table = piece_table(
+                [(i, d.view(1, 1)) for i, d in enumerate(scale_dst)], self.device,
+                [linear.lora.lora_scale.stride(0) for linear in self.linears])
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
-        copy_pieces(scales.view(torch.float32), *table)
+        copy_pieces(scales.view(torch.float32), *self._scale_table, slot=slot)
 
     def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = ("slot", slot)
@@ -193,6 +193,11 @@ class SlotWriter:
             return lora.lora_a[slot, p.slice, : p.rank]
         lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
         return lora.lora_b[slot, lo:hi, : p.rank]
+
+    def _slot_stride(self, p: ImagePiece) -> int:
+        """Elements between piece ``p``'s place in one slot and in the next."""
+        lora = self.linears[p.linear].lora
+        return (lora.lora_a if p.kind == "a" else lora.lora_b).stride(0)
 
     def _source_views(self, image: AdapterImage, src: torch.Tensor) -> tuple[list, list]:
         """Views of ``image``'s A and B pieces in ``src`` (bytes), in image order."""
