@@ -299,3 +299,75 @@ def test_expand_fused_into_add_rms_norm(m, hidden, in_gemm):
         ya, ra = lora_expand_add_rms_norm(x[i:i + 1], res[i:i + 1], w, 1e-5, hi, b,
                                           group_tokens(ids[i:i + 1], slots))
         assert torch.equal(ya[0], y[i]) and torch.equal(ra[0], new_res[i])
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 257])
+def test_slot_ranks_skip_only_zeros(m):
+    """Slots of rank 8, 16, 40 and 64 below a full rank of 64, and untargeted slices (rank 0),
+    in bf16: the expand, SwiGLU and q|k|v kernels with slot ranks give the unfused bits with
+    the same ranks, and on slots zero past their ranks (as the slot writer leaves them) the
+    bits of the kernels that sum all 64 ranks; rows of a rank-0 slice stay untouched."""
+    from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
+    from detlora.ops.lora_expand_silu_and_mul import lora_expand_silu_and_mul
+    from detlora.ops.lora_partials import ShrinkPartials
+    from detlora.ops.rotary import rope_cos_sin_cache
+    from detlora.ops.rotary_write_kv import rotary_write_kv
+    from detlora.ops.silu_and_mul import silu_and_mul
+
+    full, slots, d = 64, 4, 128
+    g = torch.Generator(device=DEV).manual_seed(m)
+    ids = torch.randint(-1, slots, (m,), device=DEV, generator=g, dtype=torch.int32)
+    ids[: min(m, slots)] = torch.arange(min(m, slots), device=DEV, dtype=torch.int32)
+    groups = group_tokens(ids, slots)
+
+    def padded(n, slices, ranks):
+        """y [m, n], in_gemm partials and B, zero past each slot's rank per slice."""
+        b = (torch.randn(slots, n, full, device=DEV, generator=g) / 4).to(torch.bfloat16)
+        y_cat = torch.randn(m, n + slots * slices * full, device=DEV,
+                            generator=g).to(torch.bfloat16)
+        width = n // slices if slices < 3 else None
+        offsets = ([i * width for i in range(slices + 1)] if width else
+                   [0, 24 * d, 32 * d, 40 * d])
+        cols = y_cat[:, n:].view(m, slots, slices, full)
+        for a in range(slots):
+            for s in range(slices):
+                r = int(ranks[a, s])
+                cols[:, a, s, r:] = 0
+                b[a, offsets[s]:offsets[s + 1], r:] = 0
+        h = ShrinkPartials(y_cat[:, n:].unsqueeze(0), slices, full, tail_group=1,
+                           scale=torch.rand(slots, device=DEV, generator=g) + 0.5,
+                           adapter_stride=slices * full)
+        return y_cat[:, :n], h, b, offsets
+
+    ranks2 = torch.tensor([[8, 0], [16, 16], [40, 64], [0, 8]], dtype=torch.int32, device=DEV)
+    y, h, b, _ = padded(2 * 8192, 2, ranks2)
+    got = lora_expand_silu_and_mul(y, h, b, groups, slot_ranks=ranks2)
+    assert torch.equal(got, silu_and_mul(lora_expand(y.clone(), h, b, groups,
+                                                     slot_ranks=ranks2)))
+    assert torch.equal(got, lora_expand_silu_and_mul(y, h, b, groups))
+    expanded = lora_expand(y.clone(), h, b, groups, slot_ranks=ranks2)
+    assert torch.equal(expanded, lora_expand(y.clone(), h, b, groups))
+    assert torch.equal(expanded[ids == 0, 8192:], y[ids == 0, 8192:])  # rank 0: untouched
+
+    ranks3 = torch.tensor([[8, 0, 8], [16, 16, 16], [64, 0, 40], [0, 0, 0]], dtype=torch.int32,
+                          device=DEV)
+    y, h, b, offsets = padded(40 * d, 3, ranks3)
+    cos_sin = rope_cos_sin_cache(d, 8192, 500000.0).to(DEV)
+    pos = torch.randint(0, 8192, (m,), device=DEV, generator=g)
+    pages = m // 16 + 4
+    slot_mapping = torch.randperm(pages * 16, device=DEV, generator=g)[:m]
+    cache = torch.randn(2, pages, 16, 8, d, device=DEV, generator=g).to(torch.bfloat16)
+    outs = []
+    for ranks in (ranks3, None):
+        kc, vc = cache[0].clone(), cache[1].clone()
+        q = lora_expand_rotary_write_kv(y, h, b, groups, offsets, pos, cos_sin, kc, vc,
+                                        slot_mapping, slot_ranks=ranks)
+        outs.append((q, kc, vc))
+    y2 = lora_expand(y.clone(), h, b, groups, offsets, slot_ranks=ranks3)
+    q, k, v = (y2[:, lo:hi].view(m, -1, d) for lo, hi in itertools.pairwise(offsets))
+    kc, vc = cache[0].clone(), cache[1].clone()
+    unfused = (rotary_write_kv(q, k, v, pos, cos_sin, kc, vc, slot_mapping), kc, vc)
+    for got, want in zip(outs[0], unfused, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(got, want)

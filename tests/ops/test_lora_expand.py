@@ -65,6 +65,40 @@ def test_equal_widths_need_no_offsets():
     torch.testing.assert_close(got, lora_expand_ref(y.clone(), h, b, ids), rtol=2e-3, atol=2e-3)
 
 
+# Ranks per (slot, slice) for 3 slots of full rank 32 and 3 slices: partial ranks, an
+# untargeted slice (0) and a slot with no targeted slice at all.
+SLOT_RANKS = torch.tensor([[8, 0, 32], [17, 16, 3], [0, 0, 0]], dtype=torch.int32)
+
+
+def zero_past_ranks(h, b, ids, offsets, ranks):
+    """h and B as the slots hold them: zero past each slot's rank in each slice."""
+    h, b = h.clone(), b.clone()
+    for a in range(ranks.shape[0]):
+        for s in range(ranks.shape[1]):
+            r = int(ranks[a, s])
+            h[s, ids == a, r:] = 0
+            b[a, offsets[s]:offsets[s + 1], r:] = 0
+    return h, b
+
+
+def test_slot_ranks_sum_each_slot_over_its_own_ranks():
+    offsets = [0, 48, 64, 80]
+    y, h, b, ids = make(13, 32, offsets, 3, seed=21)
+    ids[:3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    # Past a slot's rank h and B hold garbage here: a kernel that read it would be wrong.
+    got = lora_expand(y.clone(), h, b, ids, offsets, slot_ranks=SLOT_RANKS)
+    want = lora_expand_ref(y.clone(), h, b, ids, offsets, SLOT_RANKS)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    untouched = (ids < 0) | (ids == 2)
+    assert torch.equal(got[untouched], y[untouched])  # no adapter, or no targeted slice
+    assert torch.equal(got[ids == 0, 48:64], y[ids == 0, 48:64])  # slot 0's slice 1: rank 0
+    # With the slots' zero padding the ranks skipped add only zeros: the same bits as the
+    # kernel that sums every rank.
+    hz, bz = zero_past_ranks(h, b, ids, offsets, SLOT_RANKS)
+    assert torch.equal(lora_expand(y.clone(), hz, bz, ids, offsets, slot_ranks=SLOT_RANKS),
+                       lora_expand(y.clone(), hz, bz, ids, offsets))
+
+
 def bad_cases():
     y, h, b, ids = make(4, 8, [0, 16, 32], 2, seed=12)
     return [
@@ -81,6 +115,8 @@ def bad_cases():
         ("adapter id 5", dict(ids=torch.tensor([0, 5, 1, 0], dtype=torch.int32))),
         ("is on meta", dict(b=b.to("meta"))),
         ("config must be an ExpandConfig", dict(config=(16, 16, 16))),
+        ("slot_ranks must have dtype", dict(slot_ranks=torch.zeros(2, 2))),
+        ("slot_ranks must have shape", dict(slot_ranks=torch.zeros(2, 3, dtype=torch.int32))),
     ], (y, h, b, ids)
 
 
@@ -90,6 +126,6 @@ def test_bad_input_raises_value_error_naming_it(index):
     message, override = cases[index]
     args = dict(y=y, h=h, b=b, ids=ids, slice_offsets=[0, 16, 32])
     args.update(override)
-    kwargs = {"config": args.pop("config")} if "config" in args else {}
+    kwargs = {k: args.pop(k) for k in ("config", "slot_ranks") if k in args}
     with pytest.raises(ValueError, match=message):
         lora_expand(args["y"], args["h"], args["b"], args["ids"], args["slice_offsets"], **kwargs)

@@ -40,8 +40,8 @@ def make(m, hq, hk, d, r, adapters, seed, dtype=torch.float16):
     return y, h, b, ids, offsets, pos, slots, cache
 
 
-def unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d):
-    y2 = lora_expand(y.clone(), h, b, ids, offsets)
+def unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d, slot_ranks=None):
+    y2 = lora_expand(y.clone(), h, b, ids, offsets, slot_ranks=slot_ranks)
     m = y.shape[0]
     q, k, v = (y2[:, lo:hi].view(m, -1, d) for lo, hi in itertools.pairwise(offsets))
     kc, vc = cache[0].clone(), cache[1].clone()
@@ -87,6 +87,24 @@ def test_in_gemm_partials_give_the_unfused_bits(m):
     want_q, want_kc, want_vc = unfused(view, partials, b, ids, offsets, pos, cos_sin, cache,
                                        slots, d)
     assert torch.equal(got_q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+def test_slot_ranks_give_the_unfused_bits():
+    """q, k and v over each slot's own ranks (0: untargeted, as q|v adapters leave k): the
+    bits of the expand with the same ranks, then rotary_write_kv."""
+    d = 16
+    y, h, b, ids, offsets, pos, slots, cache = make(10, 4, 2, d, 16, 3, seed=3)
+    ids[:3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ranks = torch.tensor([[8, 0, 8], [16, 3, 0], [0, 0, 0]], dtype=torch.int32)
+    cos_sin = rope_cos_sin_cache(d, 256, 10000.0)
+    kc, vc = cache[0].clone(), cache[1].clone()
+    got_q = lora_expand_rotary_write_kv(y, h, b, ids, offsets, pos, cos_sin, kc, vc, slots,
+                                        slot_ranks=ranks)
+    want_q, want_kc, want_vc = unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d,
+                                       slot_ranks=ranks)
+    assert torch.equal(got_q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    full_q, _, _ = unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d)
+    assert not torch.equal(got_q, full_q)  # garbage past the ranks was not read
 
 
 def test_rows_are_independent_of_the_batch():

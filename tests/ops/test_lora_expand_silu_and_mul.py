@@ -69,6 +69,25 @@ def test_in_gemm_partials_give_the_unfused_bits(m):
     assert torch.equal(got, want)
 
 
+def test_slot_ranks_give_the_unfused_bits():
+    """Gate and up over each slot's own ranks (0: untargeted): the bits of the expand with
+    the same ranks, then silu_and_mul; with the slots' zero padding, those of every rank."""
+    ranks = torch.tensor([[8, 0], [16, 5], [0, 0]], dtype=torch.int32)
+    y, h, b, ids = make(11, 40, 16, 3, seed=5)
+    ids[:3] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    got = lora_expand_silu_and_mul(y, h, b, ids, slot_ranks=ranks)
+    assert torch.equal(got, silu_and_mul(lora_expand(y.clone(), h, b, ids, slot_ranks=ranks)))
+    assert not torch.equal(got, lora_expand_silu_and_mul(y, h, b, ids))  # garbage past ranks
+    hz, bz = h.clone(), b.clone()
+    for a in range(3):
+        for s in range(2):
+            r = int(ranks[a, s])
+            hz[s, ids == a, r:] = 0
+            bz[a, s * 40:(s + 1) * 40, r:] = 0
+    assert torch.equal(lora_expand_silu_and_mul(y, hz, bz, ids, slot_ranks=ranks),
+                       lora_expand_silu_and_mul(y, hz, bz, ids))
+
+
 def test_rows_without_adapter_are_plain_silu_and_mul():
     y, h, b, _ = make(6, 32, 8, 2, seed=3)
     ids = torch.full((6,), -1, dtype=torch.int32)

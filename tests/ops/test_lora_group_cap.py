@@ -212,10 +212,11 @@ from detlora.ops import lora_expand_rotary_write_kv as rk
 from detlora.ops import lora_expand_silu_and_mul as sm
 
 ints = {n: "*i32" for n in ("rows_ptr", "group_start_ptr", "group_size_ptr",
-                            "group_adapter_ptr", "counter_ptr", "positions_ptr", "slot_ptr")}
+                            "group_adapter_ptr", "counter_ptr", "positions_ptr", "slot_ptr",
+                            "ranks_ptr")}
 f32 = {n: "*fp32" for n in ("h_ptr", "scale_ptr", "scratch_ptr", "cos_sin_ptr")}
 expand = dict(NUM_PARTS=1, TAIL_GROUP=1, PARTIALS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_R=16,
-              EVEN_R=True, PDL=True)
+              EVEN_R=False, RANKS=True, PDL=True)  # the engine's: slot ranks, masked loads
 kernels = [
     ("expand", lora_expand._expand_kernel, expand, ints | f32),
     ("expand_partials", lora_expand._expand_kernel,

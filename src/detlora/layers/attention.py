@@ -110,11 +110,12 @@ class Attention(nn.Module):
             # The q|k|v expand fused into rotary and the KV write: one launch, the same bits.
             q = self.backend.expand_rotate_and_write_kv(
                 qkv, pending.shrink_out, pending.lora_b, lora, pending.slice_offsets, positions,
-                self.rotary.cos_sin, self.k_cache, self.v_cache, attn.slot_mapping)
+                self.rotary.cos_sin, self.k_cache, self.v_cache, attn.slot_mapping,
+                slot_ranks=pending.slot_ranks)
             return self._attend(q, attn, lora)
         if pending is not None:  # q/k norms sit between the expand and rotary
             qkv = self.backend.lora_expand(qkv, pending.shrink_out, pending.lora_b, lora,
-                                           pending.slice_offsets)
+                                           pending.slice_offsets, slot_ranks=pending.slot_ranks)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)

@@ -58,7 +58,8 @@ class OpBackend:
     argmax: Callable[[torch.Tensor], torch.Tensor]
     # (x, lora_a, groups, scale) -> fp32 [S, M, R]; the reduction and workspace are bound.
     lora_shrink: Callable[..., torch.Tensor]  # (x, lora_a, groups, scale, out=None)
-    # (y, shrink_out, lora_b, groups, slice_offsets) -> y, updated in place.
+    # (y, shrink_out, lora_b, groups, slice_offsets, slot_ranks=None) -> y, updated in place;
+    # slot_ranks (LoRASlots.lora_rank) lets a kernel skip the ranks past each slot's own.
     lora_expand: Callable[..., torch.Tensor]
     # Linears of tensor-parallel layers (detlora.ops.grouped_linear; layers/parallel_linear.py),
     # both with ``linear``'s optional slot_columns:
@@ -82,11 +83,11 @@ class OpBackend:
     # None: the two ops one after the other.
     rotary_write_kv: Callable[..., torch.Tensor] | None = None
     # (y, shrink_out, lora_b, groups, slice_offsets, positions, cos_sin, k_cache, v_cache,
-    # slot_mapping) -> rotated q: the q|k|v LoRA expand fused into rotary_write_kv, the
-    # unfused bits; None: the expand, then rotate_and_write_kv.
+    # slot_mapping, *, slot_ranks=None) -> rotated q: the q|k|v LoRA expand fused into
+    # rotary_write_kv, the unfused bits; None: the expand, then rotate_and_write_kv.
     lora_expand_rotary_write_kv: Callable[..., torch.Tensor] | None = None
-    # (y, shrink_out, lora_b, groups) -> silu_and_mul(y + the LoRA update) in one kernel, with
-    # the unfused ops' bits; None: the two ops one after the other.
+    # (y, shrink_out, lora_b, groups, *, slot_ranks=None) -> silu_and_mul(y + the LoRA update)
+    # in one kernel, with the unfused ops' bits; None: the two ops one after the other.
     lora_expand_silu_and_mul: Callable[..., torch.Tensor] | None = None
     # (x [T, V], index [T], out=None) -> log_softmax(x.float())[t, index[t]], fp32 [T]: the
     # log_softmax op's bits for one column per row; None: the sampler gathers it from a
@@ -114,12 +115,15 @@ class OpBackend:
         return f"{self.device.type}-{self.determinism.value}-{self.lora_reduction.value}"
 
     def expand_silu_and_mul(
-        self, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor, groups: Any
+        self, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor, groups: Any,
+        *, slot_ranks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """SwiGLU of a gate|up output ``y`` plus its LoRA update (``y`` may be overwritten)."""
         if self.lora_expand_silu_and_mul is not None:
-            return self.lora_expand_silu_and_mul(y, shrink_out, lora_b, groups)
-        return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None))
+            return self.lora_expand_silu_and_mul(y, shrink_out, lora_b, groups,
+                                                 slot_ranks=slot_ranks)
+        return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None,
+                                                  slot_ranks=slot_ranks))
 
     def rotate_and_write_kv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -138,14 +142,17 @@ class OpBackend:
         self, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor, groups: Any,
         slice_offsets: Sequence[int], positions: torch.Tensor, cos_sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        *, slot_ranks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rotate_and_write_kv`` of a q|k|v output ``y`` plus its LoRA update (three
         slices); the rotated q. ``y`` may be overwritten."""
         if self.lora_expand_rotary_write_kv is not None:
             return self.lora_expand_rotary_write_kv(y, shrink_out, lora_b, groups,
                                                     slice_offsets, positions, cos_sin,
-                                                    k_cache, v_cache, slot_mapping)
-        y = self.lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
+                                                    k_cache, v_cache, slot_mapping,
+                                                    slot_ranks=slot_ranks)
+        y = self.lora_expand(y, shrink_out, lora_b, groups, slice_offsets,
+                             slot_ranks=slot_ranks)
         m, d = y.shape[0], k_cache.shape[3]
         q, k, v = (y[:, lo:hi].view(m, (hi - lo) // d, d)
                    for lo, hi in itertools.pairwise(slice_offsets))
@@ -255,7 +262,9 @@ def _reference_backend(
         h = lora_shrink_ref(x, lora_a, groups.token_adapter, scale)
         return h if out is None else out.copy_(h)
 
-    def expand(y, shrink_out, lora_b, groups, slice_offsets=None):
+    def expand(y, shrink_out, lora_b, groups, slice_offsets=None, slot_ranks=None):
+        # Every rank summed: past a slot's rank h and B are zero, so no value changes (and
+        # the whole-rank products keep the bits these references always had).
         return lora_expand_ref(y, shrink_out, lora_b, groups.token_adapter, slice_offsets)
 
     impls = {op: f"{mod}.{ref}" for op, (mod, ref, _) in _OPS.items()}
@@ -373,8 +382,9 @@ def _kernel_backend(
         return lora_shrink(x, lora_a, groups, scale, reduction=reduction, out=out,
                            workspace=workspace)
 
-    def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None):
-        return lora_expand(y, shrink_out, lora_b, groups, slice_offsets)
+    def expand(y, shrink_out, lora_b, groups, slice_offsets: Sequence[int] | None = None,
+               slot_ranks=None):
+        return lora_expand(y, shrink_out, lora_b, groups, slice_offsets, slot_ranks=slot_ranks)
 
     impls |= {"lora_shrink": _shrink_impl(reduction, impls,
                                           f"lora_shrink.lora_shrink[{reduction.value}]"),

@@ -149,7 +149,7 @@ class LinearBase(nn.Module):
         if pending is None:
             return y
         return self.backend.lora_expand(y, pending.shrink_out, pending.lora_b, lora,
-                                        pending.slice_offsets)
+                                        pending.slice_offsets, slot_ranks=pending.slot_ranks)
 
     def forward_unexpanded(
         self, x: torch.Tensor, lora: AdapterGroups | None = None
@@ -168,7 +168,8 @@ class LinearBase(nn.Module):
                 x, lambda: self.gemm(x, self.weight, self.bias), lora, self.backend)
         if self.lora_observer is not None:
             self.lora_observer(self, x, h, lora)
-        return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets)
+        return y, PendingLoRA(h, self.lora.lora_b, self.lora.slice_offsets,
+                              self.lora.lora_rank)
 
     def _check_slice(self, slice_index: int) -> None:
         if not 0 <= slice_index < len(self.output_sizes):

@@ -1,8 +1,10 @@
 """The LoRA part of a linear layer: fixed adapter slots that the LoRA manager fills.
 
 Every slot has room for one adapter of rank up to ``max_lora_rank``; smaller ranks are
-zero-padded (zero rows of A and zero columns of B only add exact zeros). The buffers never
-move or change shape, so a captured CUDA graph keeps valid pointers while adapters come and go.
+zero-padded (zero rows of A and zero columns of B only add exact zeros), and each slot records
+its rank per slice (``lora_rank``, 0 for a slice the adapter does not target), so the expand
+sums only the ranks a slot has. The buffers never move or change shape, so a captured CUDA
+graph keeps valid pointers while adapters come and go.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class PendingLoRA:
     shrink_out: torch.Tensor | ShrinkPartials
     lora_b: torch.Tensor
     slice_offsets: tuple[int, ...]
+    slot_ranks: torch.Tensor | None = None  # int32 [L, S]: each slot's rank per slice
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ class LoRASlots(nn.Module):
     """Adapter slots of one (possibly fused) linear layer with ``len(output_sizes)`` slices.
 
     lora_a: [max_loras, S, R, in], lora_b: [max_loras, out, R] with R = max_lora_rank (slice s
-    owns rows slice_offsets[s]:slice_offsets[s+1] of B), lora_scale: [max_loras] fp32.
+    owns rows slice_offsets[s]:slice_offsets[s+1] of B), lora_scale: [max_loras] fp32,
+    lora_rank: [max_loras, S] int32 (the rank each slot's adapter has in each slice).
     """
 
     def __init__(
@@ -81,6 +85,9 @@ class LoRASlots(nn.Module):
         self.register_buffer(
             "lora_scale", torch.zeros(num, dtype=torch.float32, device=device), persistent=False
         )
+        self.register_buffer(
+            "lora_rank", torch.zeros(num, slices, dtype=torch.int32, device=device),
+            persistent=False)
 
     @property
     def num_slices(self) -> int:
@@ -103,6 +110,7 @@ class LoRASlots(nn.Module):
             )
         new_a = torch.zeros_like(self.lora_a[slot])
         new_b = torch.zeros_like(self.lora_b[slot])
+        ranks = [0] * self.num_slices
         for s, (a_s, b_s) in enumerate(zip(a, b, strict=True)):
             if (a_s is None) != (b_s is None):
                 raise ValueError(f"slice {s}: A and B must both be given or both be None")
@@ -124,16 +132,19 @@ class LoRASlots(nn.Module):
                 )
             new_a[s, :rank] = a_s.to(device=new_a.device, dtype=new_a.dtype)
             new_b[lo:hi, :rank] = b_s.to(device=new_b.device, dtype=new_b.dtype)
+            ranks[s] = rank
         # In-place copies keep the buffers' addresses (CUDA graphs).
         self.lora_a[slot].copy_(new_a)
         self.lora_b[slot].copy_(new_b)
         self.lora_scale[slot] = float(scale)
+        self.lora_rank[slot].copy_(torch.tensor(ranks, dtype=torch.int32))
 
     def clear_slot(self, slot: int) -> None:
         self._check_slot(slot)
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.lora_scale[slot] = 0.0
+        self.lora_rank[slot].zero_()
 
     def slot_columns(self, n: int, groups: AdapterGroups) -> SlotColumns:
         """``in_gemm``: where each slot's x A^T sits in the GEMM's output (after the ``n``

@@ -42,5 +42,5 @@ class GatedMLP(nn.Module):
             h = self.backend.silu_and_mul(gate_up)
         else:  # the gate|up expand fused into the activation: one launch, same bits
             h = self.backend.expand_silu_and_mul(gate_up, pending.shrink_out, pending.lora_b,
-                                                 lora)
+                                                 lora, slot_ranks=pending.slot_ranks)
         return self.down_proj(h, lora)

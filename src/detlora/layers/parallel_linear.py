@@ -135,7 +135,8 @@ class RowParallelLinear(LinearBase):
         if isinstance(h, ShrinkPartials):
             assert lora is not None
             h = reduce_partials_ref(h, lora.token_adapter)
-        return y, PendingLoRA(self.tp.all_reduce(h), pending.lora_b, pending.slice_offsets)
+        return y, PendingLoRA(self.tp.all_reduce(h), pending.lora_b, pending.slice_offsets,
+                              pending.slot_ranks)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_range={self.k_range}, groups={self.groups}"

@@ -1,11 +1,11 @@
 """Copying an adapter image from host memory into a slot of every LoRA linear of the model.
 
 A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices stay zero, as
-``LoRASlots.set_slot`` leaves them) and copies each piece of the image and the scales in. On
-CUDA it is one host-to-device copy of the whole image into a staging buffer, a batched zero
-(``torch._foreach_zero_``) and two ``copy_pieces`` launches (pieces, then scales, from tables
-of destination addresses cached per image layout, one for every slot), all on a side stream,
-so the
+``LoRASlots.set_slot`` leaves them) and copies each piece of the image, the scales and the
+slot's ranks per slice in. On CUDA it is one host-to-device copy of the whole image into a
+staging buffer, a batched zero (``torch._foreach_zero_``) and three ``copy_pieces`` launches
+(pieces, scales, ranks, from tables of destination addresses cached per image layout, one
+for every slot), all on a side stream, so the
 step in flight keeps running: the copy waits only for the last launched step that read the
 slot's previous adapter (``use`` while a step is prepared, ``launched`` once it is
 enqueued), and the next step that reads the slot waits for the copy (``wait_ready``). A slot
@@ -49,6 +49,9 @@ class SlotWriter:
         # copy_pieces tables and their chunks (CUDA), per image layout, and the scales'
         self._tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
         self._scale_table: tuple[torch.Tensor, int] | None = None
+        # per image layout: the ranks (int32, on the device) and their table
+        self._rank_tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = \
+            OrderedDict()
         if self.cuda:  # now, so that the KV cache is sized with it allocated
             self._staging_for(0)
 
@@ -142,6 +145,9 @@ class SlotWriter:
             torch._foreach_copy_(b_dst, b_src)
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
         torch._foreach_copy_(scale_dst, list(scales.view(torch.float32).split(1)))
+        for p in image.pieces:
+            if p.kind == "a":
+                self.linears[p.linear].lora.lora_rank[slot, p.slice] = p.rank
 
     def _copy_by_table(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
         """The pieces and scales of ``image`` (in ``src``, bytes) into ``slot``: one
@@ -163,6 +169,20 @@ class SlotWriter:
                 [linear.lora.lora_scale.stride(0) for linear in self.linears])
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
         copy_pieces(scales.view(torch.float32), *self._scale_table, slot=slot)
+        ranks = self._rank_tables.get(image.layout)
+        if ranks is None:
+            a_pieces = [p for p in image.pieces if p.kind == "a"]
+            values = torch.tensor([p.rank for p in a_pieces], dtype=torch.int32)
+            if self.cuda:
+                values = values.pin_memory().to(self.device, non_blocking=True)
+            table = piece_table(
+                [(i, self._rank_view(0, p)) for i, p in enumerate(a_pieces)], self.device,
+                [self.linears[p.linear].lora.lora_rank.stride(0) for p in a_pieces])
+            ranks = self._remember(self._rank_tables, image.layout, (values, *table))
+        else:
+            self._rank_tables.move_to_end(image.layout)
+        if ranks[0].numel():
+            copy_pieces(ranks[0], ranks[1], ranks[2], slot=slot)
 
     def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = ("slot", slot)
@@ -170,7 +190,8 @@ class SlotWriter:
         if views is None:
             slots = [linear.lora for linear in self.linears]
             views = self._remember(self._dst_views, key, (
-                [s.lora_a[slot] for s in slots] + [s.lora_b[slot] for s in slots],
+                [s.lora_a[slot] for s in slots] + [s.lora_b[slot] for s in slots]
+                + [s.lora_rank[slot] for s in slots],
                 [s.lora_scale[slot: slot + 1] for s in slots]))
         return views
 
@@ -193,6 +214,10 @@ class SlotWriter:
             return lora.lora_a[slot, p.slice, : p.rank]
         lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
         return lora.lora_b[slot, lo:hi, : p.rank]
+
+    def _rank_view(self, slot: int, p: ImagePiece) -> torch.Tensor:
+        """Where piece ``p``'s slice keeps its rank in ``slot``: a [1, 1] view."""
+        return self.linears[p.linear].lora.lora_rank[slot, p.slice: p.slice + 1].view(1, 1)
 
     def _slot_stride(self, p: ImagePiece) -> int:
         """Elements between piece ``p``'s place in one slot and in the next."""

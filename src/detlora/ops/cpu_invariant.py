@@ -148,8 +148,10 @@ def lora_expand(
     lora_b: torch.Tensor,
     groups: AdapterGroups,
     slice_offsets: Sequence[int] | None = None,
+    slot_ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same semantics as ``detlora.ops.lora_expand.lora_expand_ref`` (in place, returns y)."""
+    """Same semantics as ``detlora.ops.lora_expand.lora_expand_ref`` (in place, returns y).
+    Every rank is summed whatever ``slot_ranks`` say: past a slot's rank h and B are zero."""
     if isinstance(shrink_out, ShrinkPartials):
         shrink_out = reduce_partials_ref(shrink_out, groups.token_adapter)
     slices = shrink_out.shape[0]

@@ -13,9 +13,16 @@ Semantics:
                 t = shrink_out[s, m].to(lora_b.dtype).float() @ lora_b[a, c].float().T
                 y[m, c] += t.to(y.dtype)     # fp32 accumulation, rounded once, then added
 
-    (``lora_expand_ref`` below.) The rank is summed whole by one CTA in a fixed BLOCK_R order
-    that depends on R alone, so the expand is deterministic and batch-invariant by
-    construction: no Split-K over the rank.
+    (``lora_expand_ref`` below.) The rank is summed whole by one CTA in a fixed BLOCK_R order,
+    so the expand is deterministic and batch-invariant by construction: no Split-K over the
+    rank.
+
+    ``slot_ranks`` ([L, S] int32, the slots' ``lora_rank``): each slot's own rank per slice
+    (0 where the adapter does not target the slice). The columns of h and B past it are zero,
+    so the kernel stops its rank loop at the first BLOCK_R step past it and leaves rows of a
+    rank-0 slice untouched: the same sum without the steps that add only zeros. A slot's
+    rank is its adapter's, so no bit depends on where the adapter sits or what else is
+    loaded.
 
     ``shrink_out`` may also be a deferred shrink's :class:`ShrinkPartials`: the expand then
     sums the partials of each h tile in the shrink's own tree and scales them, as
@@ -52,11 +59,13 @@ def lora_expand_ref(
     lora_b: torch.Tensor,
     token_adapter: torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
+    slot_ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: updates ``y`` in place and returns it."""
+    """Torch reference: updates ``y`` in place and returns it (with ``slot_ranks``, each
+    slice over its slot's ranks only, and not at all at rank 0)."""
     if isinstance(shrink_out, ShrinkPartials):
         shrink_out = reduce_partials_ref(shrink_out, token_adapter)
-    slices = shrink_out.shape[0]
+    slices, _, rank = shrink_out.shape
     offsets = _offsets(slice_offsets, slices, lora_b.shape[1])
     ids = token_adapter.to(torch.int64)
     for a in torch.unique(ids).tolist():
@@ -64,9 +73,12 @@ def lora_expand_ref(
             continue
         rows = (ids == a).nonzero().flatten()
         for s in range(slices):
+            r = rank if slot_ranks is None else min(int(slot_ranks[a, s]), rank)
+            if r == 0:
+                continue
             lo, hi = offsets[s], offsets[s + 1]
-            h = shrink_out[s, rows].to(lora_b.dtype).float()
-            t = (h @ lora_b[a, lo:hi].float().T).to(y.dtype)
+            h = shrink_out[s, rows, :r].to(lora_b.dtype).float()
+            t = (h @ lora_b[a, lo:hi, :r].float().T).to(y.dtype)
             y[rows, lo:hi] += t
     return y
 
@@ -88,8 +100,9 @@ def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, strid
                 NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 EVEN_R: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N]: h[rows] @ B[adapter, cols]^T of one slice, unrounded. The rank
-    is summed in BLOCK_R steps (a function of R alone), so any tiling gives the same bits."""
+    """fp32 [BLOCK_M, BLOCK_N]: h[rows] @ B[adapter, cols]^T of one slice over ranks [0, R),
+    unrounded. The rank is summed in BLOCK_R steps (fixed), so any tiling gives the same bits.
+    EVEN_R: R is a multiple of BLOCK_R, so the loads need no mask."""
     h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
     b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
     offs_r = tl.arange(0, BLOCK_R)
@@ -124,17 +137,33 @@ def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, strid
 
 
 @triton.jit
-def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+def slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS: tl.constexpr):
+    """The ranks an adapter row sums for one slice: its slot's own (``slot_ranks``), or all
+    R without them. ``adapter`` may be -1 (then any value: the caller skips the row)."""
+    if RANKS:
+        rank = tl.minimum(
+            tl.load(ranks_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_rl + slice_id), R)
+    else:
+        rank = R
+    return rank
+
+
+@triton.jit
+def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
+                 group_start_ptr, group_adapter_ptr,
                  group, group_rows, tile_m, tile_n, slice_id, col_lo, width, R,
                  stride_ym, stride_yn, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl,
                  stride_bn, NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr,
                  PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
+                 BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr, RANKS: tl.constexpr):
     """One output tile: row tile ``tile_m`` of ``group``, column tile ``tile_n`` of a slice."""
     if (tile_m * BLOCK_M >= group_rows) | (tile_n * BLOCK_N >= width):
         return
     adapter = tl.load(group_adapter_ptr + group)
     if adapter < 0:
+        return
+    R = slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS)
+    if R == 0:
         return
     rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,6 +193,8 @@ def _expand_kernel(
     h_ptr,
     b_ptr,
     scale_ptr,
+    ranks_ptr,
+    stride_rl,
     rows_ptr,
     group_start_ptr,
     group_size_ptr,
@@ -188,6 +219,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    RANKS: tl.constexpr,
     GROUP_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -206,18 +238,18 @@ def _expand_kernel(
     tile_m = pid // n_tiles
     group_rows = tl.load(group_size_ptr + group)
     if GROUP_CAP == 0:
-        _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
-                     group_adapter_ptr, group, group_rows, tile_m, tile_n, slice_id, col_lo,
-                     width, R, stride_ym, stride_yn, stride_hp, stride_ha, stride_hs,
-                     stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
-                     BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+        _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
+                     group_start_ptr, group_adapter_ptr, group, group_rows, tile_m, tile_n,
+                     slice_id, col_lo, width, R, stride_ym, stride_yn, stride_hp, stride_ha,
+                     stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP,
+                     PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
     else:
         while group_rows > 0:
-            _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
-                         group_adapter_ptr, group, group_rows, tile_m, tile_n, slice_id,
-                         col_lo, width, R, stride_ym, stride_yn, stride_hp, stride_ha,
-                         stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP,
-                         PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+            _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
+                         group_start_ptr, group_adapter_ptr, group, group_rows, tile_m,
+                         tile_n, slice_id, col_lo, width, R, stride_ym, stride_yn, stride_hp,
+                         stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
+                         TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
             group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
@@ -234,10 +266,22 @@ class ExpandArgs:
     rank: int
     offsets: list[int]  # S + 1 column offsets
     groups: AdapterGroups
+    slot_ranks: torch.Tensor | None  # int32 [L, S], or None: every slot sums all R ranks
 
     @property
     def widths(self) -> list[int]:
         return [b - a for a, b in itertools.pairwise(self.offsets)]
+
+    def even_r(self, block_r: int) -> bool:
+        """EVEN_R: rank loads need no mask (every slot sums all R ranks, a multiple of
+        ``block_r``; with slot ranks each load is masked at its slot's rank)."""
+        return self.slot_ranks is None and self.rank % block_r == 0
+
+    def rank_args(self) -> tuple[torch.Tensor, int, bool]:
+        """(ranks pointer, its adapter stride, RANKS) as the kernels take them."""
+        if self.slot_ranks is None:
+            return self.scale, 0, False  # never read
+        return self.slot_ranks, self.slot_ranks.stride(0), True
 
 
 def expand_args(
@@ -246,6 +290,7 @@ def expand_args(
     lora_b: torch.Tensor,
     groups: AdapterGroups | torch.Tensor,
     slice_offsets: Sequence[int] | None,
+    slot_ranks: torch.Tensor | None = None,
 ) -> ExpandArgs:
     """Check an expand's operands (see ``lora_expand``) and put them in kernel form."""
     y = check_tensor("y", y, ndim=2, dtypes=_OUTPUT_DTYPES)
@@ -287,10 +332,16 @@ def expand_args(
         raise ValueError(
             f"groups index {groups.num_adapters} adapter slots but lora_b has {num_adapters}"
         )
+    if slot_ranks is not None:
+        slot_ranks = check_tensor("slot_ranks", slot_ranks, ndim=2, dtypes=(torch.int32,),
+                                  unit_last_stride=True)
+        check_shape("slot_ranks", slot_ranks, (num_adapters, slices))
     check_same_device(y=y, shrink_out=h, lora_b=lora_b, scale=scale,
-                      token_adapter=groups.token_adapter)
+                      token_adapter=groups.token_adapter,
+                      **({} if slot_ranks is None else {"slot_ranks": slot_ranks}))
     return ExpandArgs(h, h_strides, scale, num_parts, tail_group,
-                      isinstance(shrink_out, ShrinkPartials), rank, offsets, groups)
+                      isinstance(shrink_out, ShrinkPartials), rank, offsets, groups,
+                      slot_ranks)
 
 
 def lora_expand(
@@ -300,25 +351,27 @@ def lora_expand(
     groups: AdapterGroups | torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
     *,
+    slot_ranks: torch.Tensor | None = None,
     config: ExpandConfig | None = None,
 ) -> torch.Tensor:
     """Add the LoRA update to ``y`` in place (see the module docstring) and return ``y``."""
-    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
+    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets, slot_ranks)
     m, widths = y.shape[0], e.widths
     cfg = tile_config(config, m, e.rank, max(widths))
     padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
     g = e.groups
     programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
     grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), programs)
+    ranks, stride_rl, has_ranks = e.rank_args()
     _expand_kernel[grid](
-        y, e.h, lora_b, e.scale,
+        y, e.h, lora_b, e.scale, ranks, stride_rl,
         g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
         e.rank, padded[1], padded[2], padded[3],
         y.stride(0), y.stride(1), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return y
@@ -372,4 +425,4 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
 
 
 __all__ = ["ExpandArgs", "expand_args", "group_tile_rows", "lora_expand", "lora_expand_ref",
-           "lora_update", "next_group", "tile_config"]
+           "lora_update", "next_group", "slot_rank", "tile_config"]

@@ -45,6 +45,7 @@ from detlora.ops.lora_expand import (
     lora_expand_ref,
     lora_update,
     next_group,
+    slot_rank,
     tile_config,
 )
 from detlora.ops.lora_partials import ShrinkPartials
@@ -65,10 +66,12 @@ def lora_expand_rotary_write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    slot_ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: the expand on a copy of ``y``, then rotary + KV write."""
     q, k, v = _qkv_views(lora_expand_ref(y.clone(), shrink_out, lora_b, token_adapter,
-                                         slice_offsets), slice_offsets, k_cache.shape[3])
+                                         slice_offsets, slot_ranks), slice_offsets,
+                         k_cache.shape[3])
     return rotary_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
 
@@ -86,7 +89,8 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
                   PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
     """The two halves [BLOCK_M, BLOCK_HALF] of one head (columns base.. of y) for ``rows``,
-    with the slice's LoRA update added as the expand kernel adds it; in y's dtype.
+    with the slice's LoRA update over ranks [0, R) added as the expand kernel adds it (none
+    at R = 0); in y's dtype.
 
     Each half is its own [BLOCK_M, BLOCK_HALF] update tile, as the expand's decode tiles
     are."""
@@ -96,7 +100,7 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
     p = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64)
     y1 = tl.load(p, mask=ok, other=0.0)
     y2 = tl.load(p + HALF, mask=ok, other=0.0)
-    if adapter >= 0:
+    if (adapter >= 0) & (R > 0):
         u1 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
                          stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
                          TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
@@ -112,7 +116,8 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
 
 @triton.jit
 def _rotary_write_kv_tile(
-    y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr, q_out_ptr,
+    y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
+    group_adapter_ptr, q_out_ptr,
     k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr, num_slots, R,
     num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
     stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
@@ -121,7 +126,7 @@ def _rotary_write_kv_tile(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr,
+    EVEN_R: tl.constexpr, RANKS: tl.constexpr,
 ):
     """One head for row tile ``tile_m`` of ``group``."""
     if tile_m * BLOCK_M >= group_rows:
@@ -131,8 +136,9 @@ def _rotary_write_kv_tile(
     d = tl.arange(0, BLOCK_HALF)
     ok = m_ok[:, None] & (d < HALF)[None, :]
     slice_id = (head >= num_q_heads).to(tl.int32) + (head >= num_q_heads + num_kv_heads)
+    rank = slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS)
     x1, x2 = _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
-                           head * HEAD_DIM, R, stride_ym, stride_hp, stride_ha, stride_hs,
+                           head * HEAD_DIM, rank, stride_ym, stride_hp, stride_ha, stride_hs,
                            stride_hm, stride_bl, stride_bn, HALF, NUM_PARTS, TAIL_GROUP,
                            PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
     ty = y_ptr.dtype.element_ty  # rotary's output dtype (q's, k's)
@@ -165,16 +171,16 @@ def _rotary_write_kv_tile(
 
 @triton.jit(do_not_specialize=["num_groups"])
 def _expand_rotary_write_kv_kernel(
-    y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_size_ptr,
-    group_adapter_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr,
-    slot_ptr, num_groups, num_slots, R, num_q_heads, num_kv_heads,
+    y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
+    group_size_ptr, group_adapter_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr,
+    cos_sin_ptr, slot_ptr, num_groups, num_slots, R, num_q_heads, num_kv_heads,
     stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
     stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
     stride_vch, stride_cs,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, GROUP_CAP: tl.constexpr,
+    EVEN_R: tl.constexpr, RANKS: tl.constexpr, GROUP_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
@@ -189,23 +195,25 @@ def _expand_rotary_write_kv_kernel(
     group_rows = tl.load(group_size_ptr + group)
     if GROUP_CAP == 0:
         _rotary_write_kv_tile(
-            y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+            y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
+            group_adapter_ptr,
             q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
             num_slots, R, num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
             stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
             stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
             stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS, TAIL_GROUP, PARTIALS,
-            BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+            BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R, RANKS)
     else:
         while group_rows > 0:
             _rotary_write_kv_tile(
-                y_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr, group_adapter_ptr,
+                y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
+                group_start_ptr, group_adapter_ptr,
                 q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
                 num_slots, R, num_q_heads, num_kv_heads, group, group_rows, tile_m, head,
                 stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
                 stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                 stride_vcs, stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS,
-                TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+                TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R, RANKS)
             group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
@@ -221,13 +229,14 @@ def lora_expand_rotary_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    slot_ranks: torch.Tensor | None = None,
     config: ExpandConfig | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Rotated q [M, Hq, D] of ``y`` + its LoRA update, with k and v written into the pages
     (module docstring); ``y`` is left unchanged. ``validate`` checks the positions against
     ``cos_sin`` (one host sync)."""
-    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
+    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets, slot_ranks)
     if len(e.offsets) != 4:
         raise ValueError(f"lora_expand_rotary_write_kv needs three slices (q, k, v), got "
                          f"{len(e.offsets) - 1}")
@@ -255,9 +264,10 @@ def lora_expand_rotary_write_kv(
     num_blocks, page = k_cache.shape[:2]
     programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
     grid = (cdiv(m, cfg.block_m) * (hq + 2 * hk), programs)
+    ranks, stride_rl, has_ranks = e.rank_args()
     _expand_rotary_write_kv_kernel[grid](
-        y, e.h, lora_b, e.scale, g.sorted_rows, g.group_start, g.group_size, g.group_adapter,
-        q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, g.num_groups,
+        y, e.h, lora_b, e.scale, ranks, stride_rl, g.sorted_rows, g.group_start, g.group_size,
+        g.group_adapter, q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, g.num_groups,
         num_blocks * page, e.rank,
         hq, hk, y.stride(0), *e.h_strides, lora_b.stride(0), lora_b.stride(1),
         q_out.stride(0), q_out.stride(1),
@@ -266,7 +276,8 @@ def lora_expand_rotary_write_kv(
         PAGE=page, HEAD_DIM=head_dim, HALF=head_dim // 2,
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap, num_warps=cfg.num_warps,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kwargs(y),
     )

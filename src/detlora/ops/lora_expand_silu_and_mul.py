@@ -35,6 +35,7 @@ from detlora.ops.lora_expand import (
     lora_expand_ref,
     lora_update,
     next_group,
+    slot_rank,
     tile_config,
 )
 from detlora.ops.lora_partials import ShrinkPartials
@@ -48,20 +49,22 @@ def lora_expand_silu_and_mul_ref(
     lora_b: torch.Tensor,
     token_adapter: torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
+    slot_ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: the two ops one after the other (``y`` left as it was)."""
     return silu_and_mul_ref(lora_expand_ref(y.clone(), shrink_out, lora_b, token_adapter,
-                                            slice_offsets))
+                                            slice_offsets, slot_ranks))
 
 
 @triton.jit
-def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
+def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl,
+                       rows_ptr, group_start_ptr,
                        group_adapter_ptr, group, group_rows, tile_m, tile_n, R, inter,
                        stride_ym, stride_yn, stride_om, stride_hp, stride_ha, stride_hs,
                        stride_hm, stride_bl, stride_bn, NUM_PARTS: tl.constexpr,
                        TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                       EVEN_R: tl.constexpr):
+                       EVEN_R: tl.constexpr, RANKS: tl.constexpr):
     """One output tile: row tile ``tile_m`` of ``group``, column tile ``tile_n`` of I."""
     if tile_m * BLOCK_M >= group_rows:
         return
@@ -74,16 +77,20 @@ def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_
     g_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
     g = tl.load(g_ptrs, mask=ok, other=0.0)
     u = tl.load(g_ptrs + inter * stride_yn, mask=ok, other=0.0)
-    if adapter >= 0:
-        dg = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 0, rows, cols, R, stride_hp,
+    # The expand's arithmetic: update rounded to y's dtype, added in fp32, rounded; a slice
+    # of rank 0 (untargeted) is left as it is, as the expand leaves it.
+    rank_g = slot_rank(ranks_ptr, stride_rl, adapter, 0, R, RANKS)
+    rank_u = slot_rank(ranks_ptr, stride_rl, adapter, 1, R, RANKS)
+    if (adapter >= 0) & (rank_g > 0):
+        dg = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 0, rows, cols, rank_g, stride_hp,
                          stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
                          TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
-        du = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 1, rows, cols + inter, R,
-                         stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
-        # The expand's arithmetic: update rounded to y's dtype, added in fp32, rounded.
         g = (g.to(tl.float32) + dg.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
             y_ptr.dtype.element_ty)
+    if (adapter >= 0) & (rank_u > 0):
+        du = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 1, rows, cols + inter, rank_u,
+                         stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
         u = (u.to(tl.float32) + du.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
             y_ptr.dtype.element_ty)
     # silu_and_mul's arithmetic.
@@ -100,6 +107,8 @@ def _expand_silu_and_mul_kernel(
     h_ptr,
     b_ptr,
     scale_ptr,
+    ranks_ptr,
+    stride_rl,
     rows_ptr,
     group_start_ptr,
     group_size_ptr,
@@ -123,6 +132,7 @@ def _expand_silu_and_mul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
+    RANKS: tl.constexpr,
     GROUP_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -136,19 +146,20 @@ def _expand_silu_and_mul_kernel(
     tile_m = pid // n_tiles
     group_rows = tl.load(group_size_ptr + group)
     if GROUP_CAP == 0:
-        _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr, group_start_ptr,
-                           group_adapter_ptr, group, group_rows, tile_m, tile_n, R, inter,
-                           stride_ym, stride_yn, stride_om, stride_hp, stride_ha, stride_hs,
-                           stride_hm, stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
-                           BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+        _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl,
+                           rows_ptr, group_start_ptr, group_adapter_ptr, group, group_rows,
+                           tile_m, tile_n, R, inter, stride_ym, stride_yn, stride_om,
+                           stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                           NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R,
+                           RANKS)
     else:
         while group_rows > 0:
-            _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, rows_ptr,
-                               group_start_ptr, group_adapter_ptr, group, group_rows, tile_m,
-                               tile_n, R, inter, stride_ym, stride_yn, stride_om, stride_hp,
-                               stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                               NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R,
-                               EVEN_R)
+            _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl,
+                               rows_ptr, group_start_ptr, group_adapter_ptr, group,
+                               group_rows, tile_m, tile_n, R, inter, stride_ym, stride_yn,
+                               stride_om, stride_hp, stride_ha, stride_hs, stride_hm,
+                               stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
+                               BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
             group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
 
 
@@ -159,12 +170,13 @@ def lora_expand_silu_and_mul(
     groups: AdapterGroups | torch.Tensor,
     slice_offsets: Sequence[int] | None = None,
     *,
+    slot_ranks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: ExpandConfig | None = None,
 ) -> torch.Tensor:
     """``silu(gate') * up'`` where gate'|up' = y + the LoRA update (module docstring):
     returns [M, I] in y's dtype and leaves ``y`` unchanged."""
-    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets)
+    e = expand_args(y, shrink_out, lora_b, groups, slice_offsets, slot_ranks)
     m, widths = y.shape[0], e.widths
     if len(widths) != 2 or widths[0] != widths[1]:
         raise ValueError(f"lora_expand_silu_and_mul needs two slices of equal width (gate, "
@@ -181,14 +193,15 @@ def lora_expand_silu_and_mul(
     g = e.groups
     programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
     grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), programs)
+    ranks, stride_rl, has_ranks = e.rank_args()
     _expand_silu_and_mul_kernel[grid](
-        y, out, e.h, lora_b, e.scale,
+        y, out, e.h, lora_b, e.scale, ranks, stride_rl,
         g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
         e.rank, inter, y.stride(0), y.stride(1), out.stride(0), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.rank % cfg.block_r == 0, GROUP_CAP=group_cap,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return out
