@@ -32,7 +32,7 @@ def test_unknown_reduction_is_a_clear_error():
     assert LoRAReduction.parse("tree") is LoRAReduction.TREE
 
 
-def test_expand_tiles_narrow_at_decode_and_keep_block_r_fixed():
+def test_expand_tiles_narrow_at_decode_and_keep_block_r_per_rank():
     from detlora.ops.lora_configs import DECODE_ROWS, expand_config
 
     decode = expand_config(DECODE_ROWS, 16, 3072)
@@ -42,6 +42,5 @@ def test_expand_tiles_narrow_at_decode_and_keep_block_r_fixed():
     assert (expand_config(1, 16, 3072).block_m, expand_config(1, 16, 48).block_n) == (16, 64)
     short = expand_config(16, 16, 3072)  # up to 16 rows: narrower columns, more programs
     assert (short.block_m, short.block_n) == (16, 64)
-    # The rank step never depends on the rows, nor on the rank (a slot stops at its own).
-    assert {expand_config(m, rank, 3072).block_r for rank in (1, 16, 24, 64, 128)
-            for m in (1, 16, 64, 65, 4096)} == {16}
+    for rank in (1, 16, 24, 64, 128):  # the rank step: a function of the rank alone
+        assert len({expand_config(m, rank, 3072).block_r for m in (1, 16, 64, 65, 4096)}) == 1

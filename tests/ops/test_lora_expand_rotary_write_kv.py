@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from tests.helpers.slot_ranks import zero_past_ranks
 
 from detlora.ops.adapter_groups import group_tokens
 from detlora.ops.lora_configs import ExpandConfig
@@ -96,6 +97,7 @@ def test_slot_ranks_give_the_unfused_bits():
     y, h, b, ids, offsets, pos, slots, cache = make(10, 4, 2, d, 16, 3, seed=3)
     ids[:3] = torch.tensor([0, 1, 2], dtype=torch.int32)
     ranks = torch.tensor([[8, 0, 8], [16, 3, 0], [0, 0, 0]], dtype=torch.int32)
+    h, b = zero_past_ranks(h, b, ids, offsets, ranks, full=16)
     cos_sin = rope_cos_sin_cache(d, 256, 10000.0)
     kc, vc = cache[0].clone(), cache[1].clone()
     got_q = lora_expand_rotary_write_kv(y, h, b, ids, offsets, pos, cos_sin, kc, vc, slots,
@@ -104,7 +106,7 @@ def test_slot_ranks_give_the_unfused_bits():
                                        slot_ranks=ranks)
     assert torch.equal(got_q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
     full_q, _, _ = unfused(y, h, b, ids, offsets, pos, cos_sin, cache, slots, d)
-    assert not torch.equal(got_q, full_q)  # garbage past the ranks was not read
+    assert not torch.equal(got_q, full_q)  # the garbage of rank-0 slices was not read
 
 
 def test_rows_are_independent_of_the_batch():

@@ -158,6 +158,8 @@ class HostAdapterCache:
         self._generation: dict[int, int] = {}  # bumped by drop: late reads are discarded
         self._wanted: frozenset[int] = frozenset()  # the last prefetch's window: kept if possible
         self._bytes = 0
+        # Room made for reads not yet cached (images, bytes): concurrent reads see it taken.
+        self._reserved = (0, 0)
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
 
@@ -289,8 +291,16 @@ class HostAdapterCache:
                 self.stats.disk_seconds += time.perf_counter() - start
                 raise _NoRoom(request.id)
             block = self._arena.alloc(max(1, nbytes))
-        image = pack(request, adapter, block, self.dtype)  # outside the lock: a memcpy
+            self._reserve(1, block.nbytes)
+        try:
+            image = pack(request, adapter, block, self.dtype)  # outside the lock: a memcpy
+        except BaseException:
+            with self._lock:
+                self._reserve(-1, -block.nbytes)
+                self._arena.free(block)
+            raise
         with self._lock:
+            self._reserve(-1, -block.nbytes)
             self.stats.disk_loads += 1
             self.stats.disk_seconds += time.perf_counter() - start
             dropped = self._generation.get(request.id, 0) != gen
@@ -303,9 +313,13 @@ class HostAdapterCache:
             self._bytes += image.block.nbytes
         return image
 
+    def _reserve(self, images: int, nbytes: int) -> None:
+        self._reserved = (self._reserved[0] + images, self._reserved[1] + nbytes)
+
     def _full(self, nbytes: int) -> bool:
-        return ((self.max_adapters is not None and len(self._images) >= self.max_adapters)
-                or (self.max_bytes is not None and self._bytes + nbytes > self.max_bytes))
+        images, reserved = len(self._images) + self._reserved[0], self._bytes + self._reserved[1]
+        return ((self.max_adapters is not None and images >= self.max_adapters)
+                or (self.max_bytes is not None and reserved + nbytes > self.max_bytes))
 
     def _make_room(self, nbytes: int, spare: frozenset[int]) -> bool:
         """Evict least recently used images, those outside the prefetch window first, held

@@ -16,6 +16,7 @@ slot's content, and every output bit, is the same however and whenever it was wr
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -145,9 +146,8 @@ class SlotWriter:
             torch._foreach_copy_(b_dst, b_src)
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
         torch._foreach_copy_(scale_dst, list(scales.view(torch.float32).split(1)))
-        for p in image.pieces:
-            if p.kind == "a":
-                self.linears[p.linear].lora.lora_rank[slot, p.slice] = p.rank
+        for linear, ranks in zip(self.linears, _slice_ranks(self.linears, image), strict=True):
+            linear.lora.lora_rank[slot] = torch.tensor(ranks, dtype=torch.int32)
 
     def _copy_by_table(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
         """The pieces and scales of ``image`` (in ``src``, bytes) into ``slot``: one
@@ -170,19 +170,21 @@ class SlotWriter:
         scales = src[image.scales_offset: image.scales_offset + 4 * image.num_linears]
         copy_pieces(scales.view(torch.float32), *self._scale_table, slot=slot)
         ranks = self._rank_tables.get(image.layout)
-        if ranks is None:
-            a_pieces = [p for p in image.pieces if p.kind == "a"]
-            values = torch.tensor([p.rank for p in a_pieces], dtype=torch.int32)
+        if ranks is None:  # every slice of every linear: 0 where the image has no piece
+            loras = [lin.lora for lin in self.linears]
+            values = torch.tensor([r for per in _slice_ranks(self.linears, image) for r in per],
+                                  dtype=torch.int32)
             if self.cuda:
                 values = values.pin_memory().to(self.device, non_blocking=True)
+            starts = itertools.accumulate((lo.num_slices for lo in loras), initial=0)
             table = piece_table(
-                [(i, self._rank_view(0, p)) for i, p in enumerate(a_pieces)], self.device,
-                [self.linears[p.linear].lora.lora_rank.stride(0) for p in a_pieces])
+                [(i, lora.lora_rank[0].view(1, -1)) for i, lora in zip(starts, loras,
+                                                                       strict=False)],
+                self.device, [lora.lora_rank.stride(0) for lora in loras])
             ranks = self._remember(self._rank_tables, image.layout, (values, *table))
         else:
             self._rank_tables.move_to_end(image.layout)
-        if ranks[0].numel():
-            copy_pieces(ranks[0], ranks[1], ranks[2], slot=slot)
+        copy_pieces(ranks[0], ranks[1], ranks[2], slot=slot)
 
     def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         key = ("slot", slot)
@@ -190,8 +192,7 @@ class SlotWriter:
         if views is None:
             slots = [linear.lora for linear in self.linears]
             views = self._remember(self._dst_views, key, (
-                [s.lora_a[slot] for s in slots] + [s.lora_b[slot] for s in slots]
-                + [s.lora_rank[slot] for s in slots],
+                [s.lora_a[slot] for s in slots] + [s.lora_b[slot] for s in slots],
                 [s.lora_scale[slot: slot + 1] for s in slots]))
         return views
 
@@ -214,10 +215,6 @@ class SlotWriter:
             return lora.lora_a[slot, p.slice, : p.rank]
         lo, hi = lora.slice_offsets[p.slice], lora.slice_offsets[p.slice + 1]
         return lora.lora_b[slot, lo:hi, : p.rank]
-
-    def _rank_view(self, slot: int, p: ImagePiece) -> torch.Tensor:
-        """Where piece ``p``'s slice keeps its rank in ``slot``: a [1, 1] view."""
-        return self.linears[p.linear].lora.lora_rank[slot, p.slice: p.slice + 1].view(1, 1)
 
     def _slot_stride(self, p: ImagePiece) -> int:
         """Elements between piece ``p``'s place in one slot and in the next."""
@@ -255,6 +252,14 @@ class SlotWriter:
             self._staging = torch.empty(_slot_bytes(self.linears, self.dtype, nbytes),
                                         dtype=torch.uint8, device=self.device)
         return self._staging
+
+
+def _slice_ranks(linears: Sequence[LinearBase], image: AdapterImage) -> list[list[int]]:
+    """Per linear, the image's rank in each slice (0: not targeted)."""
+    ranks = [[0] * lin.lora.num_slices for lin in linears]
+    for p in image.pieces:
+        ranks[p.linear][p.slice] = p.rank
+    return ranks
 
 
 def _slot_bytes(linears: Sequence[LinearBase], dtype: torch.dtype, at_least: int) -> int:

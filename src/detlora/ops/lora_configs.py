@@ -79,7 +79,7 @@ class ExpandConfig:
 
     block_m: int
     block_n: int
-    block_r: int  # rank step (EXPAND_BLOCK_R): fixed, so rows never depend on the row count
+    block_r: int  # rank step; fixed per rank so rows never depend on the row count
     num_warps: int = 4
     num_stages: int = 2
     group_cap: int | None = None
@@ -190,15 +190,10 @@ DECODE_ROWS = 64
 EXPAND_GROUP_CAP = 16
 
 
-# The expand's rank step: fixed (the smallest a dot takes), so that a slot of rank r below
-# the slots' full rank stops its rank loop after cdiv(r, 16) steps.
-EXPAND_BLOCK_R = 16
-
-
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
-    """Expand tiles; ``block_r`` is fixed, so the tiles never change a row's bits (tests/gpu
-    proves rows equal at every M); the group cap never changes them either."""
-    block_r = EXPAND_BLOCK_R
+    """Expand tiles; ``block_r`` depends on the rank alone, so the tiles never change a row's
+    bits (tests/gpu proves rows equal at every M); the group cap never changes them either."""
+    block_r = min(max(16, next_power_of_2(rank)), 64)
     bm = _block_m(num_rows)
     cap = 128
     if num_rows <= DECODE_ROWS:

@@ -18,11 +18,12 @@ Semantics:
     rank.
 
     ``slot_ranks`` ([L, S] int32, the slots' ``lora_rank``): each slot's own rank per slice
-    (0 where the adapter does not target the slice). The columns of h and B past it are zero,
-    so the kernel stops its rank loop at the first BLOCK_R step past it and leaves rows of a
-    rank-0 slice untouched: the same sum without the steps that add only zeros. A slot's
-    rank is its adapter's, so no bit depends on where the adapter sits or what else is
-    loaded.
+    (0 where the adapter does not target the slice), with h and B zero past it (slots are
+    zero-padded). The kernel then sums a slot's ranks in steps sized to its rank, not the
+    full R (a rank-8 slot of a rank-64 engine reads one 16-rank step of B, not 64), and
+    leaves rows of a rank-0 slice untouched. The steps are a function of R and the adapter's
+    rank alone, so no bit depends on where the adapter sits, on what else is loaded, or on
+    the batch.
 
     ``shrink_out`` may also be a deferred shrink's :class:`ShrinkPartials`: the expand then
     sums the partials of each h tile in the shrink's own tree and scales them, as
@@ -95,34 +96,27 @@ def group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m,
 
 
 @triton.jit
-def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
-                stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                EVEN_R: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N]: h[rows] @ B[adapter, cols]^T of one slice over ranks [0, R),
-    unrounded. The rank is summed in BLOCK_R steps (fixed), so any tiling gives the same bits.
-    EVEN_R: R is a multiple of BLOCK_R, so the loads need no mask."""
-    h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
-    b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
-    offs_r = tl.arange(0, BLOCK_R)
+def _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS: tl.constexpr,
+                TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, STEP: tl.constexpr, EVEN_R: tl.constexpr):
+    """h[rows] @ B^T over ranks [0, rank) rounded up to STEP, summed in STEP-rank dots (loads
+    masked at the full rank R unless EVEN_R)."""
+    offs_r = tl.arange(0, STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PARTIALS:
-        scale = tl.load(scale_ptr + adapter)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, rank, STEP):
         r = r0 + offs_r
         r_ok = r < R
         if PARTIALS:
             # The shrink's tree: groups of TAIL_GROUP partials from zero, group sums added
             # to a total from zero, then scaled. Unrolled: every load is issued up front.
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            total = tl.zeros((BLOCK_M, STEP), dtype=tl.float32)
+            group_sum = tl.zeros((BLOCK_M, STEP), dtype=tl.float32)
             for p in tl.static_range(NUM_PARTS):
                 group_sum += tl.load(h_rows[:, None] + p * stride_hp + r[None, :],
                                      mask=r_ok[None, :], other=0.0)
                 if (p + 1) % TAIL_GROUP == 0 or p == NUM_PARTS - 1:
                     total += group_sum
-                    group_sum = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    group_sum = tl.zeros((BLOCK_M, STEP), dtype=tl.float32)
             hb = total * scale
         elif EVEN_R:
             hb = tl.load(h_rows[:, None] + r[None, :])
@@ -133,6 +127,48 @@ def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, strid
         else:
             bb = tl.load(b_cols[None, :] + r[:, None], mask=r_ok[:, None], other=0.0)
         acc += tl.dot(hb.to(bb.dtype), bb)
+    return acc
+
+
+@triton.jit
+def lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, rank, R, stride_hp,
+                stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                EVEN_R: tl.constexpr, RANKS: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N]: h[rows] @ B[adapter, cols]^T of one slice, unrounded, over the
+    full rank R in BLOCK_R steps (BLOCK_R a function of R alone), or with RANKS over the
+    slot's own ``rank`` in steps of min(BLOCK_R, max(16, next power of two of rank)): a
+    function of R and the adapter alone. Any tiling gives the same bits. Past ``rank`` h and
+    B must be zero (slots are zero-padded). EVEN_R: R is a multiple of BLOCK_R (no masks)."""
+    h_rows = h_ptr + adapter.to(tl.int64) * stride_ha + slice_id * stride_hs + rows * stride_hm
+    b_cols = b_ptr + adapter.to(tl.int64) * stride_bl + cols.to(tl.int64) * stride_bn
+    scale = 0.0
+    if PARTIALS:
+        scale = tl.load(scale_ptr + adapter)
+    if RANKS and BLOCK_R == 64:
+        if rank > 32:
+            acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                              PARTIALS, BLOCK_M, BLOCK_N, 64, EVEN_R)
+        elif rank > 16:
+            acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                              PARTIALS, BLOCK_M, BLOCK_N, 32, EVEN_R)
+        else:
+            acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                              PARTIALS, BLOCK_M, BLOCK_N, 16, EVEN_R)
+    elif RANKS and BLOCK_R == 32:
+        if rank > 16:
+            acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                              PARTIALS, BLOCK_M, BLOCK_N, 32, EVEN_R)
+        else:
+            acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                              PARTIALS, BLOCK_M, BLOCK_N, 16, EVEN_R)
+    elif RANKS:
+        acc = _rank_steps(h_rows, b_cols, scale, rank, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                          PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+    else:
+        acc = _rank_steps(h_rows, b_cols, scale, R, R, stride_hp, NUM_PARTS, TAIL_GROUP,
+                          PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
     return acc
 
 
@@ -162,17 +198,17 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
     adapter = tl.load(group_adapter_ptr + group)
     if adapter < 0:
         return
-    R = slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS)
-    if R == 0:
+    rank = slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS)
+    if rank == 0:
         return
     rows, m_ok = group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     cols = col_lo + offs_n % width  # padding columns wrap onto real ones: loads need no mask
 
-    acc = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
-                      stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
-                      TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+    acc = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, rank, R,
+                      stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                      NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64) * stride_yn
     ok = m_ok[:, None] & n_ok[None, :]
     y_old = tl.load(y_ptrs, mask=ok, other=0.0)
@@ -273,9 +309,8 @@ class ExpandArgs:
         return [b - a for a, b in itertools.pairwise(self.offsets)]
 
     def even_r(self, block_r: int) -> bool:
-        """EVEN_R: rank loads need no mask (every slot sums all R ranks, a multiple of
-        ``block_r``; with slot ranks each load is masked at its slot's rank)."""
-        return self.slot_ranks is None and self.rank % block_r == 0
+        """EVEN_R: rank loads need no mask (the full rank is a multiple of ``block_r``)."""
+        return self.rank % block_r == 0
 
     def rank_args(self) -> tuple[torch.Tensor, int, bool]:
         """(ranks pointer, its adapter stride, RANKS) as the kernels take them."""

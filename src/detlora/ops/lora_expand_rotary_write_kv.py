@@ -12,9 +12,9 @@ Semantics:
                                    slot_mapping)                 # q_out [M, Hq, D]
 
     ``y`` is read and never written. Every element gets the expand kernel's arithmetic (its
-    ``lora_update``: the rank summed in BLOCK_R steps fixed by R, the update rounded to y's
-    dtype and added in fp32, the sum rounded), then ``rotary``'s own rotation helper: the
-    fused op has the bits of ``lora_expand`` followed by ``rotary_write_kv``, and is as
+    ``lora_update``: the rank summed in steps fixed by R and the slot's rank, the update
+    rounded to y's dtype and added in fp32, the sum rounded), then ``rotary``'s own rotation
+    helper: the fused op has the bits of ``lora_expand`` followed by ``rotary_write_kv``, and is as
     deterministic and batch-invariant as they are. What it saves is a launch per layer and
     the round trip of the updated q|k|v through memory.
 
@@ -83,14 +83,15 @@ def _qkv_views(y: torch.Tensor, offsets: Sequence[int], head_dim: int
 
 
 @triton.jit
-def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok, base, R,
-                  stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                  HALF: tl.constexpr, NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr,
-                  PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr):
+def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok, base, rank,
+                  R, stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl,
+                  stride_bn, HALF: tl.constexpr, NUM_PARTS: tl.constexpr,
+                  TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_R: tl.constexpr,
+                  RANKS: tl.constexpr):
     """The two halves [BLOCK_M, BLOCK_HALF] of one head (columns base.. of y) for ``rows``,
-    with the slice's LoRA update over ranks [0, R) added as the expand kernel adds it (none
-    at R = 0); in y's dtype.
+    with the slice's LoRA update added as the expand kernel adds it (``lora_update``; none at
+    ``rank`` 0); in y's dtype.
 
     Each half is its own [BLOCK_M, BLOCK_HALF] update tile, as the expand's decode tiles
     are."""
@@ -100,13 +101,15 @@ def _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
     p = y_ptr + rows[:, None] * stride_ym + cols[None, :].to(tl.int64)
     y1 = tl.load(p, mask=ok, other=0.0)
     y2 = tl.load(p + HALF, mask=ok, other=0.0)
-    if (adapter >= 0) & (R > 0):
-        u1 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, R, stride_hp,
-                         stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
-                         TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
-        u2 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols + HALF, R,
+    if (adapter >= 0) & (rank > 0):
+        u1 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols, rank, R,
                          stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R,
+                         RANKS)
+        u2 = lora_update(h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, cols + HALF, rank,
+                         R, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R,
+                         RANKS)
         # The expand's arithmetic: update rounded to y's dtype, added in fp32, rounded.
         ty = y_ptr.dtype.element_ty
         y1 = (y1.to(tl.float32) + u1.to(ty).to(tl.float32)).to(ty)
@@ -138,9 +141,9 @@ def _rotary_write_kv_tile(
     slice_id = (head >= num_q_heads).to(tl.int32) + (head >= num_q_heads + num_kv_heads)
     rank = slot_rank(ranks_ptr, stride_rl, adapter, slice_id, R, RANKS)
     x1, x2 = _updated_head(y_ptr, h_ptr, b_ptr, scale_ptr, adapter, slice_id, rows, m_ok,
-                           head * HEAD_DIM, rank, stride_ym, stride_hp, stride_ha, stride_hs,
-                           stride_hm, stride_bl, stride_bn, HALF, NUM_PARTS, TAIL_GROUP,
-                           PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R)
+                           head * HEAD_DIM, rank, R, stride_ym, stride_hp, stride_ha,
+                           stride_hs, stride_hm, stride_bl, stride_bn, HALF, NUM_PARTS,
+                           TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R, RANKS)
     ty = y_ptr.dtype.element_ty  # rotary's output dtype (q's, k's)
     if slice_id < 2:  # q or k: rotated with each row's cos/sin
         pos = tl.load(positions_ptr + rows, mask=m_ok, other=0).to(tl.int64)

@@ -82,15 +82,17 @@ def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, strid
     rank_g = slot_rank(ranks_ptr, stride_rl, adapter, 0, R, RANKS)
     rank_u = slot_rank(ranks_ptr, stride_rl, adapter, 1, R, RANKS)
     if (adapter >= 0) & (rank_g > 0):
-        dg = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 0, rows, cols, rank_g, stride_hp,
-                         stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
-                         TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+        dg = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 0, rows, cols, rank_g, R,
+                         stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R,
+                         RANKS)
         g = (g.to(tl.float32) + dg.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
             y_ptr.dtype.element_ty)
     if (adapter >= 0) & (rank_u > 0):
-        du = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 1, rows, cols + inter, rank_u,
+        du = lora_update(h_ptr, b_ptr, scale_ptr, adapter, 1, rows, cols + inter, rank_u, R,
                          stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
-                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R)
+                         NUM_PARTS, TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R,
+                         RANKS)
         u = (u.to(tl.float32) + du.to(y_ptr.dtype.element_ty).to(tl.float32)).to(
             y_ptr.dtype.element_ty)
     # silu_and_mul's arithmetic.
