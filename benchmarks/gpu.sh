@@ -16,6 +16,7 @@
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-bi-large profile-overlap profile-adapters
+#                     profile-slot-cost (one adapter in use, 1 and 64 slots: kernel tables)
 #                     | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
 #                     shrink-chunks | multi-lora | serving (installs .whl/*.whl first: the
@@ -165,6 +166,11 @@ for step in "${steps[@]}"; do
       for n in 1 8 32; do
         python3 -m benchmarks.suites.profile_engine --modes batch_invariant --batches 64 \
           --tokens 16 --adapters "$n" --out "$OUT/profile_adapters_$n.json" || status=1
+      done ;;
+    profile-slot-cost)
+      for n in 1 64; do
+        python3 -m benchmarks.suites.profile_engine --modes batch_invariant --batches 1,64 \
+          --tokens 16 --max-loras "$n" --out "$OUT/profile_slot_cost_$n.json" || status=1
       done ;;
     profile-bi-large) python3 -m benchmarks.suites.profile_engine --modes batch_invariant \
                         --batches 64,256 --tokens 16 --out "$OUT/profile_bi_large.json" \

@@ -23,6 +23,7 @@ For each determinism level and batch size, on the model of ``suites.engine``:
 
     python -m benchmarks.suites.profile_engine --out out/profile_engine.json [--layers 28]
         [--adapters N]   (each batch's rows spread over N adapters in N slots)
+        [--max-loras L]  (L slots, more than the adapters in use: what the slots cost)
 """
 
 from __future__ import annotations
@@ -332,20 +333,25 @@ def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
         batches: tuple[int, ...] = (1, 64), lora: bool = True,
         lora_reduction: str | None = None, overlap: bool = False,
-        adapters: int = 1) -> dict[str, Any]:
+        adapters: int = 1, max_loras: int | None = None) -> dict[str, Any]:
     """``adapters`` > 1: that many adapters in as many slots, a batch's rows spread over them
-    (row k on adapter k % adapters), to see which kernels grow with the adapters in a step."""
+    (row k on adapter k % adapters), to see which kernels grow with the adapters in a step.
+    ``max_loras``: the engine's slots (default: the adapters', at least 2), to see which
+    kernels grow with slots that no row uses."""
     from detlora import LoRARequest
 
     plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
                    output_len=tokens, throughput_batches=batches)
     out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora,
-                                    "lora_reduction": lora_reduction, "adapters": adapters},
+                                    "lora_reduction": lora_reduction, "adapters": adapters,
+                                    "max_loras": max_loras},
                            "rows": []}
     with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
         root = Path(tmp)
         be.write_model(root / "model", plan.shape)
         count = max(2, adapters)
+        if max_loras is not None and max_loras < adapters:
+            raise ValueError(f"--max-loras {max_loras} is below --adapters {adapters}")
         for k in range(count):
             be.write_adapter(root / f"adapter{k}", plan.shape, seed=10 + k)
         loras = [LoRARequest(f"a{k}", k + 1, str(root / f"adapter{k}")) for k in range(count)]
@@ -353,10 +359,11 @@ def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
         w.spread = adapters > 1
         for mode in modes:
             llm = be.make_engine(root / "model", mode, plan, enable_lora=lora,
-                                 lora_reduction=lora_reduction, max_loras=count)
+                                 lora_reduction=lora_reduction, max_loras=max_loras or count)
             label = mode if lora else f"{mode}-nolora"
             label += f"-{lora_reduction}" if lora_reduction else ""
             label += f"-{adapters}adapters" if adapters > 1 else ""
+            label += f"-{max_loras}slots" if max_loras else ""
             if overlap:
                 for b in batches:
                     ov = {"mode": label, **_overlap(llm, w, b)}
@@ -384,13 +391,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the base model alone (no LoRA slots, no adapters)")
     parser.add_argument("--adapters", type=int, default=1,
                         help="spread each batch's rows over this many adapters (one slot each)")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="slots in the engine (default: the adapters', at least 2)")
     parser.add_argument("--overlap", action="store_true",
                         help="also time a plain generate against its GPU busy time")
     args = parser.parse_args(argv)
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
                batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
                lora_reduction=args.lora_reduction, overlap=args.overlap,
-               adapters=args.adapters)
+               adapters=args.adapters, max_loras=args.max_loras)
     from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m benchmarks.suites.profile_engine", *(argv or sys.argv[1:])])
