@@ -474,12 +474,14 @@ def _mm_split_kernel(
     t = tile % (m_tiles * n_tiles)
     off_m = (t // n_tiles) * BLOCK_M
     off_n = (t % n_tiles) * (BLOCK_N + BLOCK_N2)
-    if SLOT_SKIP:  # noqa: SIM102 (a constexpr test apart from the runtime one)
+    if SLOT_SKIP:  # noqa: SIM102 (a constexpr test apart from the runtime ones)
         # Every CTA of the tile (each chunk) decides alike: an unused tile touches nothing,
-        # not even its counter.
-        if _slot_tile_unused(off_n, slot_first, slot_width, group_adapter_ptr,
-                             group_size_ptr, num_groups, BLOCK_N + BLOCK_N2, GROUPS_P2):
-            return
+        # not even its counter. A tile of base columns never skips, so only slot tiles read
+        # the step's groups (their loads would hold every base CTA's first loads back).
+        if off_n >= slot_first:  # noqa: SIM102 (nested: the loads only for slot tiles)
+            if _slot_tile_unused(off_n, slot_first, slot_width, group_adapter_ptr,
+                                 group_size_ptr, num_groups, BLOCK_N + BLOCK_N2, GROUPS_P2):
+                return
     a_rows, b_cols = _operand_pointers(a, b, batch, off_m, off_n, M, N, stride_ab, stride_am,
                                        stride_bb, stride_bn, BLOCK_M, BLOCK_N, TMA)
     if BLOCK_N2 > 0:
