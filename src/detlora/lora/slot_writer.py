@@ -5,13 +5,13 @@ A write zeroes the slot (ranks below ``max_lora_rank`` and untargeted slices sta
 slot's ranks per slice in. On CUDA it is one host-to-device copy of the whole image into a
 staging buffer, a batched zero (``torch._foreach_zero_``) and three ``copy_pieces`` launches
 (pieces, scales, ranks, from tables of destination addresses cached per image layout, one
-for every slot), all on a side stream, so the
-step in flight keeps running: the copy waits only for the last launched step that read the
-slot's previous adapter (``use`` while a step is prepared, ``launched`` once it is
-enqueued), and the next step that reads the slot waits for the copy (``wait_ready``). A slot
-the step being prepared reads is never written. On the CPU everything is
-synchronous. Either way a slot holds exactly the values ``set_slot`` would give it, so a
-slot's content, and every output bit, is the same however and whenever it was written.
+for every slot), all on a side stream, so the step in flight keeps running: the copy waits
+only for the last launched step that read the slot's previous adapter (``use`` while a step
+is prepared, ``launched`` once it is enqueued), and the next step that reads the slot waits
+for the copy (``wait_ready``). A slot the step being prepared reads is never written. On the
+CPU everything is synchronous. Either way a slot holds exactly the values ``set_slot`` would
+give it, so a slot's content, and every output bit, is the same however and whenever it was
+written.
 """
 
 from __future__ import annotations
@@ -150,9 +150,11 @@ class SlotWriter:
             linear.lora.lora_rank[slot] = torch.tensor(ranks, dtype=torch.int32)
 
     def _copy_by_table(self, slot: int, image: AdapterImage, src: torch.Tensor) -> None:
-        """The pieces and scales of ``image`` (in ``src``, bytes) into ``slot``: one
-        ``copy_pieces`` launch each (a ``copy_`` per strided piece would cost the host a
-        launch per piece)."""
+        """The pieces, scales and slice ranks of ``image`` (in ``src``, bytes) into ``slot``:
+        one ``copy_pieces`` launch each (a ``copy_`` per strided piece would cost the host a
+        launch per piece). Tables hold slot 0's addresses and each piece's slot stride, so
+        one per layout serves every slot; they are copied to the device from pinned memory
+        without a wait."""
         if image.data_bytes:
             table = self._tables.get(image.layout)
             if table is None:
