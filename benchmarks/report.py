@@ -29,8 +29,9 @@ SCALARS = (str, int, float, bool, type(None))
 
 
 def _meta_line(meta: dict) -> str:
+    host = f", host {meta['host']}" if meta.get("host") else ""
     return (f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
-            f"{meta.get('triton', '?')}, commit `{meta['commit'][:10]}`, {meta['date']}, "
+            f"{meta.get('triton', '?')}{host}, commit `{meta['commit'][:10]}`, {meta['date']}, "
             f"`{meta['command']}`")
 
 

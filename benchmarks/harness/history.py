@@ -31,6 +31,8 @@ def history_row(study: str, result: dict, file: str, label: str = "",
                          "command")
     row: dict[str, Any] = {"study": study, "label": label or meta.get("label", "")}
     row.update({k: meta.get(k) for k in META_KEYS})
+    if meta.get("host"):
+        row["host"] = meta["host"]
     row["file"] = file
     if file_at:
         row["file_at"] = file_at

@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def environment() -> dict[str, str]:
-    """GPU, driver, torch and triton versions."""
+    """GPU, driver, torch and triton versions, and the host (``host``)."""
     import torch
     import triton
 
@@ -24,7 +24,23 @@ def environment() -> dict[str, str]:
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout.strip().splitlines()[0]
-    return {"gpu": gpu, "driver": driver, "torch": torch.__version__, "triton": triton.__version__}
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__, "triton": triton.__version__,
+            "host": host()}
+
+
+def host() -> str:
+    """The host's CPU model, logical CPUs and 1-minute load when the run started: host-bound
+    figures (serving, many adapters) move with the machine, not only with the GPU."""
+    model = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    load = ""
+    with contextlib.suppress(OSError, AttributeError):
+        load = f", load {os.getloadavg()[0]:.2f}"
+    return f"{model}, {os.cpu_count()} CPUs{load}"
 
 
 def commit_id() -> str:
@@ -42,7 +58,8 @@ def commit_id() -> str:
 
 
 def results_meta(command: str) -> dict[str, str]:
-    """GPU, driver, torch, triton, commit, UTC date and the command that made the results."""
+    """GPU, driver, torch, triton, host, commit, UTC date and the command that made the
+    results."""
     return {
         **environment(),
         "commit": commit_id(),

@@ -87,3 +87,15 @@ def test_report_renders_every_current_file():
 
 def test_docs_results_is_up_to_date():
     assert report.DOC.read_text() == report.render(), "run python -m benchmarks.report"
+
+
+def test_meta_names_the_host_and_history_rows_keep_it():
+    from benchmarks.harness import results_meta
+
+    meta = results_meta("python -m x")
+    assert " CPUs" in meta["host"] and meta["command"] == "python -m x"
+    result = _engine_result()
+    assert "host" not in history.history_row("engine", result, "engine.json")  # older files
+    result["meta"]["host"] = meta["host"]
+    assert history.history_row("engine", result, "engine.json")["host"] == meta["host"]
+    assert f"host {meta['host']}" in report._meta_line(result["meta"])
