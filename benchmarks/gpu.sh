@@ -35,9 +35,13 @@
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
 #                     serving-timeline (the server's wheels from .whl/) expand-spread-tiles
 #                     shared-inflight-pages vendor-gemm multi-lora-waves
+#
+# A/B on one machine: DETLORA_SRC=DIR runs the steps against another checkout's src (say
+# `git archive OLD src | tar -x -C ab/`, untracked so that it travels), with
+# DETLORA_COMMIT=OLD and OUT=$OUT/old; the lab code stays this checkout's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=${DETLORA_SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 steps=("$@")
