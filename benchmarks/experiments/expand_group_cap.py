@@ -1,16 +1,18 @@
-"""Does capping the LoRA expand's adapter-group grid axis (``ExpandConfig.group_cap``) remove
-the decode cost of unused adapter slots, and what does it cost when every group has rows?
+"""Does the LoRA expand's row-tile launch (``ExpandConfig.group_cap``) remove the decode cost of
+unused adapter slots, and what does its cap cost when every row has its own adapter?
 
-The expand launches min(M, max_loras + 1) programs along its group axis; the groups without
-rows exit at once but are launched: at M = 64 with one adapter in use, the engine's decode
-TPOT grew 6.762 -> 7.357 ms from max_loras 1 to 32 (~1.5 M empty CTAs a step). With a cap, at
-most ``cap`` programs loop over the groups, so the launch stops growing with the slots.
+The expands launch one program per row tile the batch can have: ceil(M / BLOCK_M) tiles plus
+one per adapter group that could have rows, min(M, max_loras + 1) - 1; programs past the
+batch's real row tiles exit at once but are launched. With a cap, at most ceil(M / BLOCK_M) +
+cap programs loop over the tiles, so the launch stops growing with the slots. (Before the
+row-tile axis, the grid was m tiles x groups: with one adapter at M = 64, 4 x 64 programs
+per column tile at 64 slots against 4 x 2 at one.)
 
 Llama-3.1-8B shapes (32 layers; q|k|v 4096|1024|1024, o 4096, gate|up 2 x 14336, down 4096),
 rank 16, bf16, in_gemm partials (the batch_invariant engine's expand input: x A^T of every
 slot after the base columns), each layer its own B and y, as in a decode step. For M = 1 and
 64, max_loras 1, 8, 32, 64, rows on one adapter ("one") or spread over every slot, row i on
-slot i % max_loras ("spread"), cap None (today's grid) against 2, 4, 8 and 16:
+slot i % max_loras ("spread"), cap None (every row tile its program) against 4, 8, 16, 32:
 
 * ``step``: one graph of the 32 layers' four expands (q|k|v, o, gate|up, down: the plain
   ``lora_expand``, as the engine launches them), microseconds per step;
@@ -35,7 +37,7 @@ import torch
 from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.timing import time_graph_us
 from detlora.ops._runtime import cdiv
-from detlora.ops.adapter_groups import group_programs, group_tokens
+from detlora.ops.adapter_groups import group_tokens, row_tile_programs
 from detlora.ops.lora_configs import expand_config
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
@@ -48,7 +50,7 @@ HIDDEN, INTER = 4096, 14336
 QKV = [0, HQ * D, (HQ + HK) * D, (HQ + 2 * HK) * D]
 # op -> column offsets of its slices
 OPS = {"qkv": QKV, "o": [0, HIDDEN], "gate_up": [0, INTER, 2 * INTER], "down": [0, HIDDEN]}
-CAPS = (None, 2, 4, 8, 16)
+CAPS = (None, 4, 8, 16, 32)
 ROWS = (1, 64)
 MAX_LORAS = (1, 8, 32, 64)
 
@@ -81,11 +83,15 @@ def config(m: int, offsets: list[int], cap: int | None):
     return dataclasses.replace(expand_config(m, R, width), group_cap=cap)
 
 
+def row_programs(m: int, offsets: list[int], num_groups: int, cap: int | None) -> int:
+    return row_tile_programs(m, config(m, offsets, cap).block_m, num_groups, cap)[0]
+
+
 def expand_ctas(m: int, offsets: list[int], num_groups: int, cap: int | None) -> int:
     cfg = config(m, offsets, cap)
     width = max(b - a for a, b in itertools.pairwise(offsets))
-    tiles = cdiv(m, cfg.block_m) * cdiv(width, cfg.block_n)
-    return tiles * (len(offsets) - 1) * group_programs(num_groups, cap)[0]
+    return (cdiv(width, cfg.block_n) * (len(offsets) - 1)
+            * row_programs(m, offsets, num_groups, cap))
 
 
 def measure(m: int, slots: int, spread: bool) -> list[dict]:
@@ -146,14 +152,12 @@ def measure(m: int, slots: int, spread: bool) -> list[dict]:
         us = time_graph_us([silu(layer, cap) for layer in ops["gate_up"]])
         cfg = config(m, OPS["gate_up"], cap)
         rows.append({**key, "cap": cap, "op": "gate_up+silu_and_mul (fused)", "us": round(us, 2),
-                     "ctas": cdiv(m, cfg.block_m) * cdiv(INTER, cfg.block_n)
-                     * group_programs(groups.num_groups, cap)[0]})
+                     "ctas": cdiv(INTER, cfg.block_n)
+                     * row_programs(m, OPS["gate_up"], groups.num_groups, cap)})
         us = time_graph_us([rotary(layer, cache, cap)
                             for layer, cache in zip(ops["qkv"], caches, strict=True)])
-        cfg = config(m, QKV, cap)
         rows.append({**key, "cap": cap, "op": "qkv+rotary_write_kv (fused)", "us": round(us, 2),
-                     "ctas": cdiv(m, cfg.block_m) * (HQ + 2 * HK)
-                     * group_programs(groups.num_groups, cap)[0]})
+                     "ctas": (HQ + 2 * HK) * row_programs(m, QKV, groups.num_groups, cap)})
     return rows
 
 

@@ -1,10 +1,12 @@
-"""The group cap of the LoRA kernels (``ExpandConfig.group_cap``, ``ShrinkConfig.group_cap``):
-at most ``cap`` programs along the grid's adapter-group axis, each looping over its groups,
-give the very bits of one program per group, for the expand, its fused variants and the
-shrink; one adapter in use among many slots, every row on its own adapter (more groups than
-the cap), rows without an adapter, decode- and prefill-sized batches. The launch's group
-axis no longer grows with the slots; bad caps are refused; the capped kernels compile for
-sm_90 without spills. In Triton's interpreter, fp16/fp32 (its bf16 tl.dot is wrong)."""
+"""The group cap of the LoRA kernels. The shrink (``ShrinkConfig.group_cap``): at most ``cap``
+programs along the grid's adapter-group axis, each looping over its groups. The expand and its
+fused variants (``ExpandConfig.group_cap``): programs along the batch's row tiles, at most the
+row tiles of M rows plus ``cap``, each looping over the rest. Either way the bits are those of
+one program per group (or per row tile): one adapter in use among many slots, every row on its
+own adapter (more groups than the cap), rows without an adapter, decode- and prefill-sized
+batches. The expand's launch no longer grows with the slots; bad caps are refused; the capped
+kernels compile for sm_90 without spills. In Triton's interpreter, fp16/fp32 (its bf16 tl.dot
+is wrong)."""
 
 import dataclasses
 import itertools
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from detlora.ops import lora_expand as expand_mod
-from detlora.ops.adapter_groups import group_programs, group_tokens
+from detlora.ops.adapter_groups import group_programs, group_tokens, row_tile_programs
 from detlora.ops.lora_configs import ExpandConfig, ShrinkConfig, expand_config, shrink_config
 from detlora.ops.lora_expand import lora_expand
 from detlora.ops.lora_expand_rotary_write_kv import lora_expand_rotary_write_kv
@@ -154,14 +156,14 @@ def test_expand_rotary_write_kv_bits_do_not_depend_on_the_cap(case, m):
 
 
 class _Grids:
-    """Stands in for a kernel: records each launch's grid and GROUP_CAP."""
+    """Stands in for a kernel: records each launch's grid and ROW_LOOP."""
 
     def __init__(self) -> None:
-        self.launches: list[tuple[tuple, int]] = []
+        self.launches: list[tuple[tuple, bool]] = []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs["GROUP_CAP"]))
+            self.launches.append((grid, kwargs["ROW_LOOP"]))
         return launch
 
 
@@ -170,16 +172,18 @@ def test_capped_launch_does_not_grow_with_the_slots(monkeypatch):
     monkeypatch.setattr(expand_mod, "_expand_kernel", grids)
     m = 64
     ids = torch.zeros(m, dtype=torch.int32)  # one adapter in use
-    for slots, cap in itertools.product((1, 8, 32, 64), (None, 8)):
+    cases = list(itertools.product((1, 8, 32, 64), (None, 8)))
+    for slots, cap in cases:
         y, h, b, offsets = expand_operands(m, (32, 16, 16), 16, slots, seed=0)
         lora_expand(y, h, b, group_tokens(ids, slots), offsets,
                     config=capped(expand_config(m, 16, 32), cap))
-    group_axis = {(slots, cap): grid[2] for (grid, _), (slots, cap) in zip(
-        grids.launches, itertools.product((1, 8, 32, 64), (None, 8)), strict=True)}
-    assert [group_axis[(s, None)] for s in (1, 8, 32, 64)] == [2, 9, 33, 64]  # min(M, L + 1)
-    assert [group_axis[(s, 8)] for s in (1, 8, 32, 64)] == [2, 8, 8, 8]
-    assert [c for _, c in grids.launches] == [0, 0, 0, 8, 0, 8, 0, 8]  # binding caps loop
-    # The engine's default tiles cap the group axis at 16.
+    row_axis = {case: grid[2] for (grid, _), case in zip(grids.launches, cases, strict=True)}
+    # 4 row tiles of 16 rows, plus one per group that could have rows: min(M, L + 1) - 1.
+    assert [row_axis[(s, None)] for s in (1, 8, 32, 64)] == [5, 12, 36, 67]
+    assert [row_axis[(s, 8)] for s in (1, 8, 32, 64)] == [5, 12, 12, 12]
+    assert [loop for _, loop in grids.launches] == [False] * 5 + [True, False, True]
+    assert all(grid[:2] == (1, 3) for grid, _ in grids.launches)  # n tiles, slices
+    # The engine's default tiles cap the row-tile axis at the batch's tiles plus 16.
     assert expand_config(m, 16, 32).group_cap == 16
 
 
@@ -188,6 +192,25 @@ def test_group_programs():
     assert group_programs(33, 8) == (8, 8)
     # A cap that does not bind launches the plain kernel (the loop is slower there).
     assert group_programs(8, 8) == (8, 0) and group_programs(1, 8) == (1, 0)
+
+
+def test_row_tile_programs():
+    # (rows, BLOCK_M, groups, cap) -> (programs, loop)
+    assert row_tile_programs(64, 16, 65, None) == (68, False)
+    assert row_tile_programs(64, 16, 65, 16) == (20, True)
+    assert row_tile_programs(64, 16, 2, 16) == (5, False)
+    assert row_tile_programs(1, 16, 1, 16) == (1, False)
+    assert row_tile_programs(40, 16, 9, 1) == (4, True)
+
+
+@pytest.mark.parametrize("sizes,block_m", [([5, 0, 0], 4), ([17, 16, 1, 9], 16),
+                                           ([1] * 9, 16), ([3, 13], 16), ([64], 16)])
+def test_the_row_tile_bound_covers_every_batch(sizes, block_m):
+    """No grouping of M rows needs more row tiles than the launch without a cap has."""
+    m = sum(sizes)
+    tiles = sum(-(-n // block_m) for n in sizes)
+    programs, loop = row_tile_programs(m, block_m, len(sizes), None)
+    assert tiles <= programs and not loop
 
 
 @pytest.mark.parametrize("cap", [0, -1, 1.5, True, "8"])
@@ -203,7 +226,7 @@ def test_bad_cap_raises_value_error(cap):
 
 
 # Run without the interpreter (sm90_compile's subprocess): every group-grid kernel, one
-# program per group (GROUP_CAP 0) and capped (8), compiles for sm_90 without register spills.
+# program per group or row tile and capped (looping), compiles for sm_90 without spills.
 _SM90_SCRIPT = r"""
 import json, sys
 from compile_sm90 import compile_kernel, ptx_summary, ptxas_spills
@@ -233,7 +256,10 @@ results = []
 for name, fn, consts, ptrs in kernels:
     consts = {k: v for k, v in consts.items() if v is not None}
     for cap in json.loads(sys.argv[1]):
-        k, _ = compile_kernel(fn, dict(consts, GROUP_CAP=cap), ptrs)
+        # Expands: a row-tile axis that loops (ROW_LOOP) or not; shrinks: GROUP_CAP.
+        extra = (dict(GROUP_CAP=cap) if name.startswith("shrink")
+                 else dict(BLOCK_G=128, ROW_LOOP=bool(cap)))
+        k, _ = compile_kernel(fn, dict(consts, **extra), ptrs)
         ptx = k.asm["ptx"]
         s = ptx_summary(ptx)
         results.append([name, cap, ptxas_spills(ptx),

@@ -13,11 +13,17 @@ Semantics:
     groups needs no host synchronisation (unless ``validate=True``), so it can run once per
     engine step and serve every layer, and it can be captured in a CUDA graph.
 
-    With a group cap (``group_programs``), a kernel launches ``min(cap, num_groups)`` programs
-    along that axis instead and program z takes groups z, z + cap, z + 2 cap, ... up to the
-    first group without rows (all later ones are empty too): the launch no longer grows with
-    the adapter slots when few of them are in use, and every group is still taken by exactly
-    one program.
+    With a group cap (``group_programs``, the shrink's), a kernel launches ``min(cap,
+    num_groups)`` programs along that axis instead and program z takes groups z, z + cap, z + 2
+    cap, ... up to the first group without rows (all later ones are empty too): the launch no
+    longer grows with the adapter slots when few of them are in use, and every group is still
+    taken by exactly one program.
+
+    The expands launch along the batch's row tiles instead (``row_tile_programs``): group g
+    with n_g rows takes ceil(n_g / BLOCK_M) row tiles, numbered in group order; there are at
+    most ceil(M / BLOCK_M) + num_groups - 1 of them, and program t takes row tiles t, t + P,
+    ... of the P launched. With one adapter in use almost every program has a tile, whatever
+    the slots; which program computes a tile never changes its bits.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ class AdapterGroups:
     @property
     def device(self) -> torch.device:
         return self.token_adapter.device
+
+    @property
+    def block_g(self) -> int:
+        """A power of two >= every group count these slots allow (the kernels' BLOCK_G: one
+        per slot count, not per batch size)."""
+        return 1 << self.num_adapters.bit_length()  # > num_adapters, so >= num_adapters + 1
 
 
 def group_tokens(
@@ -96,13 +108,32 @@ def group_programs(num_groups: int, group_cap: int | None) -> tuple[int, int]:
     """(programs along a kernel's group axis, its ``GROUP_CAP`` constexpr): one program per
     group and 0 (no loop) without a cap or where it does not bind (no more groups than the
     cap: the looping variant is slower there); else ``group_cap`` programs that loop."""
+    check_cap(group_cap)
     if group_cap is None:
         return num_groups, 0
-    if isinstance(group_cap, bool) or not isinstance(group_cap, int) or group_cap < 1:
-        raise ValueError(f"group_cap must be None or a positive int, got {group_cap!r}")
     if num_groups <= group_cap:
         return num_groups, 0
     return group_cap, group_cap
+
+
+def row_tile_programs(num_rows: int, block_m: int, num_groups: int,
+                      cap: int | None) -> tuple[int, bool]:
+    """(programs along an expand's row-tile axis, whether they loop): one per row tile the
+    batch can have, ceil(M / block_m) + num_groups - 1 (each group adds at most one partial
+    tile), or with a cap at most ceil(M / block_m) + cap, looping over the rest."""
+    check_cap(cap)
+    tiles = -(-num_rows // block_m)
+    most = tiles + num_groups - 1
+    if cap is None:
+        return most, False
+    programs = min(most, tiles + cap)
+    return programs, programs < most
+
+
+def check_cap(cap: int | None) -> None:
+    """A group cap is None or a positive int."""
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"group_cap must be None or a positive int, got {cap!r}")
 
 
 def group_tokens_host(

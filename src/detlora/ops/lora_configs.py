@@ -69,12 +69,12 @@ class ShrinkConfig:
 class ExpandConfig:
     """How one expand call (or a fused expand) is tiled.
 
-    ``group_cap``: None launches one program per adapter group along the grid's group axis
-    (``min(M, slots + 1)`` of them, most empty when few adapters are in use); an int launches
-    at most that many, each looping over groups z, z + cap, ... until the first group without
-    rows, where there are more groups than that (``adapter_groups.group_programs``). Every
-    row tile is computed as before: the cap changes which program computes it, never its
-    bits. ``expand_config`` caps at ``EXPAND_GROUP_CAP``.
+    ``group_cap``: the grid's last axis runs over the batch's row tiles, numbered group by
+    group. None launches one program per row tile the batch can have (``ceil(M / block_m) +
+    min(M, slots + 1) - 1``; the extra ones idle when few adapters are in use); an int at most
+    ``ceil(M / block_m) + cap``, each looping over tiles t, t + programs, ...
+    (``adapter_groups.row_tile_programs``). The cap changes which program computes a tile,
+    never its bits. ``expand_config`` caps at ``EXPAND_GROUP_CAP``.
     """
 
     block_m: int
@@ -185,8 +185,9 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
 DECODE_ROWS = 64
 
 
-# Programs along the expand's adapter-group axis at most: beyond 16 groups (a batch of more
-# than 16 rows with more than 15 slots) they loop, so idle slots stop adding empty programs.
+# Programs along the expand's row-tile axis beyond the batch's own row tiles, at most: where
+# adapter groups could add more partial tiles than that, the programs loop, so idle slots stop
+# adding empty programs.
 EXPAND_GROUP_CAP = 16
 
 

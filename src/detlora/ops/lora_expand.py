@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from detlora.ops._runtime import cdiv
-from detlora.ops.adapter_groups import AdapterGroups, group_programs, group_tokens
+from detlora.ops.adapter_groups import AdapterGroups, check_cap, group_tokens, row_tile_programs
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig, expand_config
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
@@ -93,6 +93,27 @@ def group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m,
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < group_rows
     return tl.load(rows_ptr + row_start + offs_m, mask=m_ok, other=0).to(tl.int64), m_ok
+
+
+@triton.jit
+def row_tiles(group_size_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The batch's row tiles, numbered group by group: (rows of each group [BLOCK_G], the row
+    tiles before it, the row tiles up to and including it); BLOCK_G >= num_groups."""
+    g = tl.arange(0, BLOCK_G)
+    sizes = tl.load(group_size_ptr + g, mask=g < num_groups, other=0)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    return sizes, ends - tiles, ends
+
+
+@triton.jit
+def row_tile_of(t, sizes, firsts, ends, BLOCK_G: tl.constexpr):
+    """(group, its row tile, its rows) of the batch's row tile ``t`` (``row_tiles``); 0 rows
+    past the last tile."""
+    group = tl.sum((ends <= t).to(tl.int32), 0)
+    here = tl.arange(0, BLOCK_G) == group
+    return (group, t - tl.sum(tl.where(here, firsts, 0), 0),
+            tl.sum(tl.where(here, sizes, 0), 0))
 
 
 @triton.jit
@@ -216,13 +237,6 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
     tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def next_group(group_size_ptr, group, num_groups, GROUP_CAP: tl.constexpr):
-    """(the next group a capped program takes, its rows): 0 rows past the last group."""
-    group += GROUP_CAP
-    return group, tl.load(group_size_ptr + group, mask=group < num_groups, other=0)
-
-
 @triton.jit(do_not_specialize=["num_groups"])
 def _expand_kernel(
     y_ptr,
@@ -256,24 +270,22 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
     RANKS: tl.constexpr,
-    GROUP_CAP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x n tiles of the widest slice, slices, groups: all of them, or at most
-    # GROUP_CAP programs that each loop over groups z, z + GROUP_CAP, ... while they have rows).
-    pid = tl.program_id(0)
+    # Grid: (n tiles of the widest slice, slices, row tiles: one program per row tile the
+    # batch can have, or with ROW_LOOP fewer, each taking tiles t, t + programs, ...).
+    tile_n = tl.program_id(0)
     slice_id = tl.program_id(1)
-    group = tl.program_id(2)
+    t = tl.program_id(2)
     col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
     col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
     width = col_hi - col_lo
-    max_width = tl.maximum(off1, tl.maximum(off2 - off1, off3 - off2))
-    n_tiles = tl.cdiv(max_width, BLOCK_N)
-    tile_n = pid % n_tiles
-    tile_m = pid // n_tiles
-    group_rows = tl.load(group_size_ptr + group)
-    if GROUP_CAP == 0:
+    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    if not ROW_LOOP:
         _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
                      group_start_ptr, group_adapter_ptr, group, group_rows, tile_m, tile_n,
                      slice_id, col_lo, width, R, stride_ym, stride_yn, stride_hp, stride_ha,
@@ -286,7 +298,8 @@ def _expand_kernel(
                          tile_n, slice_id, col_lo, width, R, stride_ym, stride_yn, stride_hp,
                          stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
                          TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
-            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
+            t += tl.num_programs(2)
+            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
 
 
 @dataclass(frozen=True)
@@ -395,8 +408,8 @@ def lora_expand(
     cfg = tile_config(config, m, e.rank, max(widths))
     padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
     g = e.groups
-    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
-    grid = (cdiv(m, cfg.block_m) * cdiv(max(widths), cfg.block_n), len(widths), programs)
+    programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    grid = (cdiv(max(widths), cfg.block_n), len(widths), programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_kernel[grid](
         y, e.h, lora_b, e.scale, ranks, stride_rl,
@@ -406,7 +419,7 @@ def lora_expand(
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return y
@@ -417,7 +430,7 @@ def tile_config(config: ExpandConfig | None, m: int, rank: int, width: int) -> E
     cfg = config or expand_config(m, rank, width)
     if not isinstance(cfg, ExpandConfig):
         raise ValueError(f"config must be an ExpandConfig, got {type(cfg).__name__}")
-    group_programs(1, cfg.group_cap)  # checks the cap
+    check_cap(cfg.group_cap)
     return cfg
 
 
@@ -460,4 +473,4 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
 
 
 __all__ = ["ExpandArgs", "expand_args", "group_tile_rows", "lora_expand", "lora_expand_ref",
-           "lora_update", "next_group", "slot_rank", "tile_config"]
+           "lora_update", "row_tile_of", "row_tiles", "slot_rank", "tile_config"]

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from detlora.ops._runtime import cdiv, next_power_of_2
-from detlora.ops.adapter_groups import AdapterGroups, group_programs
+from detlora.ops._runtime import next_power_of_2
+from detlora.ops.adapter_groups import AdapterGroups, row_tile_programs
 from detlora.ops.checks import check_same_device
 from detlora.ops.lora_configs import ExpandConfig
 from detlora.ops.lora_expand import (
@@ -44,7 +44,8 @@ from detlora.ops.lora_expand import (
     group_tile_rows,
     lora_expand_ref,
     lora_update,
-    next_group,
+    row_tile_of,
+    row_tiles,
     slot_rank,
     tile_config,
 )
@@ -183,20 +184,18 @@ def _expand_rotary_write_kv_kernel(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, RANKS: tl.constexpr, GROUP_CAP: tl.constexpr,
-    PDL: tl.constexpr,
+    EVEN_R: tl.constexpr, RANKS: tl.constexpr, BLOCK_G: tl.constexpr,
+    ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x (Hq + 2 Hk) heads: q, then k, then v, groups: all, or GROUP_CAP
-    # programs that loop over them as the expand's do). y's columns hold the heads in that
-    # order, so head j starts at column j * HEAD_DIM.
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    n_heads = num_q_heads + 2 * num_kv_heads
-    head = pid % n_heads
-    tile_m = pid // n_heads
-    group_rows = tl.load(group_size_ptr + group)
-    if GROUP_CAP == 0:
+    # Grid: ((Hq + 2 Hk) heads: q, then k, then v, row tiles: one program per row tile the
+    # batch can have, or with ROW_LOOP fewer that loop, as the expand's do). y's columns hold
+    # the heads in that order, so head j starts at column j * HEAD_DIM.
+    head = tl.program_id(0)
+    t = tl.program_id(1)
+    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    if not ROW_LOOP:
         _rotary_write_kv_tile(
             y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
             group_adapter_ptr,
@@ -217,7 +216,8 @@ def _expand_rotary_write_kv_kernel(
                 stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb,
                 stride_vcs, stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS,
                 TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R, RANKS)
-            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
+            t += tl.num_programs(1)
+            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
 
 
 def lora_expand_rotary_write_kv(
@@ -265,8 +265,8 @@ def lora_expand_rotary_write_kv(
         cfg = dataclasses.replace(cfg, group_cap=None)
     g = e.groups
     num_blocks, page = k_cache.shape[:2]
-    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
-    grid = (cdiv(m, cfg.block_m) * (hq + 2 * hk), programs)
+    programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    grid = (hq + 2 * hk, programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_rotary_write_kv_kernel[grid](
         y, e.h, lora_b, e.scale, ranks, stride_rl, g.sorted_rows, g.group_start, g.group_size,
@@ -279,7 +279,7 @@ def lora_expand_rotary_write_kv(
         PAGE=page, HEAD_DIM=head_dim, HALF=head_dim // 2,
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kwargs(y),

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from detlora.ops._runtime import cdiv
-from detlora.ops.adapter_groups import AdapterGroups, group_programs
+from detlora.ops.adapter_groups import AdapterGroups, row_tile_programs
 from detlora.ops.checks import check_shape, check_tensor
 from detlora.ops.lora_configs import ExpandConfig
 from detlora.ops.lora_expand import (
@@ -34,7 +34,8 @@ from detlora.ops.lora_expand import (
     group_tile_rows,
     lora_expand_ref,
     lora_update,
-    next_group,
+    row_tile_of,
+    row_tiles,
     slot_rank,
     tile_config,
 )
@@ -135,19 +136,18 @@ def _expand_silu_and_mul_kernel(
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
     RANKS: tl.constexpr,
-    GROUP_CAP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
-    # Grid: (m tiles x n tiles of I, groups: all, or GROUP_CAP programs that loop over them as
-    # the expand's do).
-    pid = tl.program_id(0)
-    group = tl.program_id(1)
-    n_tiles = tl.cdiv(inter, BLOCK_N)
-    tile_n = pid % n_tiles
-    tile_m = pid // n_tiles
-    group_rows = tl.load(group_size_ptr + group)
-    if GROUP_CAP == 0:
+    # Grid: (n tiles of I, row tiles: one program per row tile the batch can have, or with
+    # ROW_LOOP fewer that loop, as the expand's do).
+    tile_n = tl.program_id(0)
+    t = tl.program_id(1)
+    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    if not ROW_LOOP:
         _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl,
                            rows_ptr, group_start_ptr, group_adapter_ptr, group, group_rows,
                            tile_m, tile_n, R, inter, stride_ym, stride_yn, stride_om,
@@ -162,7 +162,8 @@ def _expand_silu_and_mul_kernel(
                                stride_om, stride_hp, stride_ha, stride_hs, stride_hm,
                                stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
                                BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
-            group, group_rows = next_group(group_size_ptr, group, num_groups, GROUP_CAP)
+            t += tl.num_programs(1)
+            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
 
 
 def lora_expand_silu_and_mul(
@@ -193,8 +194,8 @@ def lora_expand_silu_and_mul(
         return out
     cfg = tile_config(config, m, e.rank, inter)
     g = e.groups
-    programs, group_cap = group_programs(g.num_groups, cfg.group_cap)
-    grid = (cdiv(m, cfg.block_m) * cdiv(inter, cfg.block_n), programs)
+    programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    grid = (cdiv(inter, cfg.block_n), programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_silu_and_mul_kernel[grid](
         y, out, e.h, lora_b, e.scale, ranks, stride_rl,
@@ -203,7 +204,7 @@ def lora_expand_silu_and_mul(
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, GROUP_CAP=group_cap,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return out

@@ -47,7 +47,6 @@ from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.adapter_groups import AdapterGroups, group_programs, group_tokens
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
 from detlora.ops.lora_configs import CTA_COVERS, ShrinkConfig, shrink_config
-from detlora.ops.lora_expand import next_group
 from detlora.ops.lora_partials import ShrinkPartials
 from detlora.ops.lora_workspace import MAX_LORA_RANK, LoRAWorkspace, default_workspace
 
@@ -245,6 +244,13 @@ def _shrink_tile(
                         group_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 tl.store(out_ptrs, total * scale, mask=out_ok)
                 tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
+
+
+@triton.jit
+def next_group(group_size_ptr, group, num_groups, GROUP_CAP: tl.constexpr):
+    """(the next group a capped program takes, its rows): 0 rows past the last group."""
+    group += GROUP_CAP
+    return group, tl.load(group_size_ptr + group, mask=group < num_groups, other=0)
 
 
 @triton.jit(do_not_specialize=["num_groups"])
