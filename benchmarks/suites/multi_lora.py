@@ -319,10 +319,14 @@ def traffic(model: Path, adapters: list[Any], plan: Plan,
 # ----------------------------------------------------------------------------- slot cost
 
 
-def slot_cost(root: Path, plan: Plan, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def slot_cost(root: Path, plan: Plan, log: Callable[[str], None],
+              rows: list[dict[str, Any]] | None = None,
+              checkpoint: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """The sweep's rows, appended to ``rows`` as they come (``checkpoint`` after each
+    engine, so a run cut short keeps what it measured)."""
     from benchmarks.suites.engine import write_adapter
 
-    rows: list[dict[str, Any]] = []
+    rows = [] if rows is None else rows
     for name, shape in plan.slot_models:
         t0 = time.perf_counter()
         model = root / f"slot_{name}"
@@ -352,6 +356,8 @@ def slot_cost(root: Path, plan: Plan, log: Callable[[str], None]) -> list[dict[s
                     f"{init:.0f} s)")
             del llm
             _free()
+            if checkpoint:
+                checkpoint()
         shutil.rmtree(model, ignore_errors=True)  # the disk holds one large model at a time
     return rows
 
@@ -482,7 +488,8 @@ def run(plan: Plan, parts: Sequence[str] = PARTS, log: Callable[[str], None] = p
                 checkpoint(result)
         if "slot_cost" in parts:
             t0 = time.perf_counter()
-            result["slot_cost"] = slot_cost(root, plan, log)
+            slot_cost(root, plan, log, result["slot_cost"],
+                      (lambda: checkpoint(result)) if checkpoint else None)
             timings["slot_cost_s"] = round(time.perf_counter() - t0, 1)
     timings["total_s"] = round(time.perf_counter() - started, 1)
     plan_meta = asdict(replace(plan, traffic_model=(name, asdict(shape)), slot_models=tuple(
