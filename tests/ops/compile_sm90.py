@@ -98,10 +98,11 @@ def main() -> None:
         k, _ = compile_kernel(
             lora_expand._expand_kernel,
             {"NUM_PARTS": 1, "TAIL_GROUP": 1, "PARTIALS": False, "BLOCK_M": 16, "BLOCK_N": 128,
-             "BLOCK_R": 16, "EVEN_R": False, "RANKS": True, "BLOCK_G": 128,
-             "ROW_LOOP": bool(cap), "PDL": True},
+             "BLOCK_R": 16, "EVEN_R": False, "RANKS": True, "ROW_LOOP": bool(cap),
+             "PDL": True},
             {"h_ptr": "*fp32", "scale_ptr": "*fp32", "ranks_ptr": "*i32", "rows_ptr": "*i32",
-             "group_start_ptr": "*i32", "group_size_ptr": "*i32", "group_adapter_ptr": "*i32"})
+             "group_start_ptr": "*i32", "group_size_ptr": "*i32", "group_adapter_ptr": "*i32",
+             "row_tiles_ptr": "*i32"})
         print(f"expand ROW_LOOP={bool(cap)}: {ptx_summary(k.asm['ptx'])}")
 
 if __name__ == "__main__":

@@ -1,9 +1,18 @@
-"""Token-to-adapter grouping: stable order, sizes, no host sync, range checks."""
+"""Token-to-adapter grouping: stable order, sizes, no host sync, range checks; the expands'
+row tiles (each group's rows in tiles, numbered group by group, on the device and the host)."""
 
 import pytest
 import torch
 
-from detlora.ops.adapter_groups import group_tokens, group_tokens_host
+from detlora.ops.adapter_groups import (
+    ROW_TILE_GROUP,
+    group_tokens,
+    group_tokens_host,
+    max_row_tiles,
+    row_tile_room,
+    row_tile_table,
+    row_tile_table_host,
+)
 
 
 def test_groups_rows_stably_by_adapter_with_nonempty_groups_first():
@@ -60,3 +69,39 @@ def test_host_grouping_bad_inputs_raise():
         group_tokens_host([0], 0)
     with pytest.raises(ValueError, match="at least one row"):
         group_tokens_host([], 2)
+
+
+def row_tiles_by_hand(sizes: list[int], block_m: int) -> list[tuple[int, int]]:
+    return [(g, i) for g, n in enumerate(sizes) for i in range(-(-n // block_m))]
+
+
+@pytest.mark.parametrize("ids,num_adapters", [
+    ([2, -1, 0, 2, 0, -1, 2], 4), ([3], 8), ([0] * 64, 64), (list(range(64)), 64),
+    ([i % 5 - 1 for i in range(40)], 6), ([0] * 17 + [1] * 16 + [2], 3),
+])
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_row_tiles_number_each_groups_tiles_in_group_order(ids, num_adapters, block_m):
+    g = group_tokens(torch.tensor(ids, dtype=torch.int32), num_adapters)
+    sizes = g.group_size.tolist()
+    want = row_tiles_by_hand(sizes, block_m)
+    table = g.row_tiles_for(block_m).tolist()
+    assert len(table) == max_row_tiles(len(ids), block_m, g.num_groups) >= len(want)
+    assert [(e // ROW_TILE_GROUP, e % ROW_TILE_GROUP) for e in table[:len(want)]] == want
+    assert all(e == -1 for e in table[len(want):])
+    assert row_tile_table_host(sizes, len(ids), block_m) == table
+    assert row_tile_table(g.group_size, len(ids), block_m).tolist() == table
+
+
+def test_groups_carry_the_row_tiles_of_the_expands_row_block():
+    for m, bm in ((1, 16), (64, 16), (65, 64), (300, 64)):
+        g = group_tokens(torch.zeros(m, dtype=torch.int32), 8)
+        assert g.row_block == bm
+        assert g.row_tiles.tolist()[: -(-m // bm)] == list(range(-(-m // bm)))
+
+
+def test_row_tile_room_holds_every_smaller_batch():
+    for slots in (1, 8, 64):
+        room = row_tile_room(512, slots)
+        for m in range(1, 513):
+            g = group_tokens(torch.zeros(m, dtype=torch.int32), slots)
+            assert g.row_tiles.shape[0] <= room

@@ -41,9 +41,10 @@ BATCH_DEPENDENT = [
     (lora_shrink._tree_reduce_kernel, {"M", "stride_ps"}, set()),
     # min(M, slots + 1) adapter groups: read only by a group cap's loop
     (lora_shrink._shrink_kernel, {"num_groups"}, set()),
-    (lora_expand._expand_kernel, {"num_groups"}, set()),
-    (lora_expand_silu_and_mul._expand_silu_and_mul_kernel, {"num_groups"}, set()),
-    (lora_expand_rotary_write_kv._expand_rotary_write_kv_kernel, {"num_groups"}, set()),
+    # the most row tiles of M rows: read only past the programs' first tiles
+    (lora_expand._expand_kernel, {"num_row_tiles"}, set()),
+    (lora_expand_silu_and_mul._expand_silu_and_mul_kernel, {"num_row_tiles"}, set()),
+    (lora_expand_rotary_write_kv._expand_rotary_write_kv_kernel, {"num_row_tiles"}, set()),
 ]
 
 

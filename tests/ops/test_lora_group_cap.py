@@ -236,7 +236,7 @@ from detlora.ops import lora_expand_silu_and_mul as sm
 
 ints = {n: "*i32" for n in ("rows_ptr", "group_start_ptr", "group_size_ptr",
                             "group_adapter_ptr", "counter_ptr", "positions_ptr", "slot_ptr",
-                            "ranks_ptr")}
+                            "ranks_ptr", "row_tiles_ptr")}
 f32 = {n: "*fp32" for n in ("h_ptr", "scale_ptr", "scratch_ptr", "cos_sin_ptr")}
 expand = dict(NUM_PARTS=1, TAIL_GROUP=1, PARTIALS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_R=16,
               EVEN_R=False, RANKS=True, PDL=True)  # the engine's: slot ranks, masked loads
@@ -258,7 +258,7 @@ for name, fn, consts, ptrs in kernels:
     for cap in json.loads(sys.argv[1]):
         # Expands: a row-tile axis that loops (ROW_LOOP) or not; shrinks: GROUP_CAP.
         extra = (dict(GROUP_CAP=cap) if name.startswith("shrink")
-                 else dict(BLOCK_G=128, ROW_LOOP=bool(cap)))
+                 else dict(ROW_LOOP=bool(cap)))
         k, _ = compile_kernel(fn, dict(consts, **extra), ptrs)
         ptx = k.asm["ptx"]
         s = ptx_summary(ptx)

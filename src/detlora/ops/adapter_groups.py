@@ -22,8 +22,10 @@ Semantics:
     The expands launch along the batch's row tiles instead (``row_tile_programs``): group g
     with n_g rows takes ceil(n_g / BLOCK_M) row tiles, numbered in group order; there are at
     most ceil(M / BLOCK_M) + num_groups - 1 of them, and program t takes row tiles t, t + P,
-    ... of the P launched. With one adapter in use almost every program has a tile, whatever
-    the slots; which program computes a tile never changes its bits.
+    ... of the P launched. ``row_tiles`` lists them (built with the groups, for the expands'
+    BLOCK_M): entry t is group * 65536 + the tile's index in its group, -1 past the last, so
+    a program finds its tile with one load. Which program computes a tile never changes its
+    bits.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from detlora.ops.checks import check_tensor
+from detlora.ops.lora_configs import expand_block_m
+
+ROW_TILE_GROUP = 1 << 16  # a row_tiles entry: group * ROW_TILE_GROUP + tile in the group
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class AdapterGroups:
     group_size: torch.Tensor  # int32 [G], rows in each group (0 = unused)
     group_adapter: torch.Tensor  # int32 [G], adapter slot of each group, -1 = none
     num_adapters: int  # adapter slots the ids index into
+    row_tiles: torch.Tensor  # int32 [max_row_tiles(M, row_block, G)] (module docstring)
+    row_block: int  # the row tile ``row_tiles`` counts in
 
     @property
     def num_rows(self) -> int:
@@ -59,11 +66,12 @@ class AdapterGroups:
     def device(self) -> torch.device:
         return self.token_adapter.device
 
-    @property
-    def block_g(self) -> int:
-        """A power of two >= every group count these slots allow (the kernels' BLOCK_G: one
-        per slot count, not per batch size)."""
-        return 1 << self.num_adapters.bit_length()  # > num_adapters, so >= num_adapters + 1
+    def row_tiles_for(self, block_m: int) -> torch.Tensor:
+        """``row_tiles`` counted in ``block_m``-row tiles (built on the device where that is
+        not ``row_block``: tests and experiments that choose their own tiles)."""
+        if block_m == self.row_block:
+            return self.row_tiles
+        return row_tile_table(self.group_size, self.num_rows, block_m)
 
 
 def group_tokens(
@@ -94,14 +102,48 @@ def group_tokens(
     order = torch.argsort((counts == 0).to(torch.int8), stable=True)
     num_groups = min(m, num_adapters + 1)
     order = order[:num_groups]
+    sizes = counts[order]
     return AdapterGroups(
         token_adapter=token_adapter.to(torch.int32).contiguous(),
         sorted_rows=sorted_rows.contiguous(),
         group_start=starts[order].to(torch.int32).contiguous(),
-        group_size=counts[order].to(torch.int32).contiguous(),
+        group_size=sizes.to(torch.int32).contiguous(),
         group_adapter=(order - 1).to(torch.int32).contiguous(),
         num_adapters=num_adapters,
+        row_tiles=row_tile_table(sizes, m, expand_block_m(m)),
+        row_block=expand_block_m(m),
     )
+
+
+def max_row_tiles(num_rows: int, block_m: int, num_groups: int) -> int:
+    """The most row tiles ``num_groups`` groups of ``num_rows`` rows in all can take: every
+    group but one adds at most one partial tile."""
+    return -(-num_rows // block_m) + num_groups - 1
+
+
+def row_tile_room(max_rows: int, num_adapters: int) -> int:
+    """Entries that hold the row tiles of any batch of up to ``max_rows`` rows (row tiles of
+    16 rows or more)."""
+    return max_row_tiles(max_rows, 16, min(max_rows, num_adapters + 1))
+
+
+def row_tile_table(group_size: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """int32 [max_row_tiles]: the row tiles of groups of ``group_size`` rows (module
+    docstring), on ``group_size``'s device, without a host sync."""
+    g = group_size.shape[0]
+    tiles = (group_size.to(torch.int64) + block_m - 1) // block_m
+    ends = torch.cumsum(tiles, 0)
+    t = torch.arange(max_row_tiles(num_rows, block_m, g), device=group_size.device)
+    group = torch.searchsorted(ends, t, right=True)  # groups that end at or before t
+    first = (ends - tiles)[group.clamp(max=g - 1)]
+    return torch.where(group < g, group * ROW_TILE_GROUP + t - first, -1).to(torch.int32)
+
+
+def row_tile_table_host(group_size: Sequence[int], num_rows: int, block_m: int) -> list[int]:
+    """:func:`row_tile_table` on host ints (the graphs stage it with the groups)."""
+    out = [g * ROW_TILE_GROUP + i for g, n in enumerate(group_size)
+           for i in range(-(-n // block_m))]
+    return out + [-1] * (max_row_tiles(num_rows, block_m, len(group_size)) - len(out))
 
 
 def group_programs(num_groups: int, group_cap: int | None) -> tuple[int, int]:

@@ -191,17 +191,23 @@ DECODE_ROWS = 64
 EXPAND_GROUP_CAP = 16
 
 
+def expand_block_m(num_rows: int) -> int:
+    """The expands' row tile for M rows: 16 at decode (a batch spread over many adapters
+    leaves each group a few rows), else the shrink's. ``AdapterGroups`` numbers its row
+    tiles for it."""
+    return 16 if num_rows <= DECODE_ROWS else _block_m(num_rows)
+
+
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
     """Expand tiles; ``block_r`` depends on the rank alone, so the tiles never change a row's
     bits (tests/gpu proves rows equal at every M); the group cap never changes them either."""
     block_r = min(max(16, next_power_of_2(rank)), 64)
-    bm = _block_m(num_rows)
+    bm = expand_block_m(num_rows)
     cap = 128
     if num_rows <= DECODE_ROWS:
-        # Decode: 16-row tiles (a batch spread over many adapters leaves each group a few
-        # rows), 64 columns up to 16 rows (more programs for a short batch), else 128
+        # Decode: 64 columns up to 16 rows (more programs for a short batch), else 128
         # (fewer, fuller programs: docs/decisions.md, "Expand tiles for spread batches").
-        bm, cap = 16, (64 if num_rows <= 16 else 128)
+        cap = 64 if num_rows <= 16 else 128
     bn = cap if max_width >= cap else _block_n(max_width, cap)
     return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2,
                         group_cap=EXPAND_GROUP_CAP)

@@ -96,24 +96,14 @@ def group_tile_rows(rows_ptr, group_start_ptr, group, group_rows, tile_m,
 
 
 @triton.jit
-def row_tiles(group_size_ptr, num_groups, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The batch's row tiles, numbered group by group: (rows of each group [BLOCK_G], the row
-    tiles before it, the row tiles up to and including it); BLOCK_G >= num_groups."""
-    g = tl.arange(0, BLOCK_G)
-    sizes = tl.load(group_size_ptr + g, mask=g < num_groups, other=0)
-    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, 0)
-    return sizes, ends - tiles, ends
-
-
-@triton.jit
-def row_tile_of(t, sizes, firsts, ends, BLOCK_G: tl.constexpr):
-    """(group, its row tile, its rows) of the batch's row tile ``t`` (``row_tiles``); 0 rows
-    past the last tile."""
-    group = tl.sum((ends <= t).to(tl.int32), 0)
-    here = tl.arange(0, BLOCK_G) == group
-    return (group, t - tl.sum(tl.where(here, firsts, 0), 0),
-            tl.sum(tl.where(here, sizes, 0), 0))
+def row_tile_of(row_tiles_ptr, group_size_ptr, t, num_row_tiles):
+    """(group, its row tile, its rows) of the batch's row tile ``t`` (``AdapterGroups.
+    row_tiles``); 0 rows past the last tile."""
+    entry = tl.load(row_tiles_ptr + t, mask=t < num_row_tiles, other=-1)
+    tile = tl.maximum(entry, 0)  # past the last: group 0's tile 0, with 0 rows
+    group = tile // 65536
+    rows = tl.load(group_size_ptr + group, mask=entry >= 0, other=0)
+    return group, tile % 65536, rows
 
 
 @triton.jit
@@ -237,7 +227,7 @@ def _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
     tl.store(y_ptrs, (y_old.to(tl.float32) + update).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_groups"])
+@triton.jit(do_not_specialize=["num_row_tiles"])
 def _expand_kernel(
     y_ptr,
     h_ptr,
@@ -249,7 +239,8 @@ def _expand_kernel(
     group_start_ptr,
     group_size_ptr,
     group_adapter_ptr,
-    num_groups,
+    row_tiles_ptr,
+    num_row_tiles,
     R,
     off1,
     off2,
@@ -270,7 +261,6 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
     RANKS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -283,8 +273,7 @@ def _expand_kernel(
     col_lo = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, off1, off2))
     col_hi = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, off3))
     width = col_hi - col_lo
-    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
-    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t, num_row_tiles)
     if not ROW_LOOP:
         _expand_tile(y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr,
                      group_start_ptr, group_adapter_ptr, group, group_rows, tile_m, tile_n,
@@ -299,7 +288,8 @@ def _expand_kernel(
                          stride_ha, stride_hs, stride_hm, stride_bl, stride_bn, NUM_PARTS,
                          TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
             t += tl.num_programs(2)
-            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+            group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t,
+                                                    num_row_tiles)
 
 
 @dataclass(frozen=True)
@@ -409,17 +399,18 @@ def lora_expand(
     padded = e.offsets + [e.offsets[-1]] * (MAX_SLICES + 1 - len(e.offsets))
     g = e.groups
     programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    row_tiles = g.row_tiles_for(cfg.block_m)
     grid = (cdiv(max(widths), cfg.block_n), len(widths), programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_kernel[grid](
         y, e.h, lora_b, e.scale, ranks, stride_rl,
-        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
-        e.rank, padded[1], padded[2], padded[3],
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, row_tiles,
+        row_tiles.shape[0], e.rank, padded[1], padded[2], padded[3],
         y.stride(0), y.stride(1), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return y
@@ -473,4 +464,4 @@ def _offsets(slice_offsets: Sequence[int] | None, slices: int, n_out: int) -> li
 
 
 __all__ = ["ExpandArgs", "expand_args", "group_tile_rows", "lora_expand", "lora_expand_ref",
-           "lora_update", "row_tile_of", "row_tiles", "slot_rank", "tile_config"]
+           "lora_update", "row_tile_of", "slot_rank", "tile_config"]

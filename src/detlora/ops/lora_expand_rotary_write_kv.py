@@ -45,7 +45,6 @@ from detlora.ops.lora_expand import (
     lora_expand_ref,
     lora_update,
     row_tile_of,
-    row_tiles,
     slot_rank,
     tile_config,
 )
@@ -173,19 +172,19 @@ def _rotary_write_kv_tile(
             tl.store(vc + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit(do_not_specialize=["num_groups"])
+@triton.jit(do_not_specialize=["num_row_tiles"])
 def _expand_rotary_write_kv_kernel(
     y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
     group_size_ptr, group_adapter_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr,
-    cos_sin_ptr, slot_ptr, num_groups, num_slots, R, num_q_heads, num_kv_heads,
+    cos_sin_ptr, slot_ptr, row_tiles_ptr, num_row_tiles, num_slots, R, num_q_heads,
+    num_kv_heads,
     stride_ym, stride_hp, stride_ha, stride_hs, stride_hm, stride_bl, stride_bn,
     stride_qot, stride_qoh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs,
     stride_vch, stride_cs,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     NUM_PARTS: tl.constexpr, TAIL_GROUP: tl.constexpr, PARTIALS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_R: tl.constexpr, RANKS: tl.constexpr, BLOCK_G: tl.constexpr,
-    ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
+    EVEN_R: tl.constexpr, RANKS: tl.constexpr, ROW_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
     # Grid: ((Hq + 2 Hk) heads: q, then k, then v, row tiles: one program per row tile the
@@ -193,8 +192,7 @@ def _expand_rotary_write_kv_kernel(
     # the heads in that order, so head j starts at column j * HEAD_DIM.
     head = tl.program_id(0)
     t = tl.program_id(1)
-    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
-    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t, num_row_tiles)
     if not ROW_LOOP:
         _rotary_write_kv_tile(
             y_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl, rows_ptr, group_start_ptr,
@@ -217,7 +215,8 @@ def _expand_rotary_write_kv_kernel(
                 stride_vcs, stride_vch, stride_cs, PAGE, HEAD_DIM, HALF, NUM_PARTS,
                 TAIL_GROUP, PARTIALS, BLOCK_M, BLOCK_HALF, BLOCK_R, EVEN_R, RANKS)
             t += tl.num_programs(1)
-            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+            group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t,
+                                                    num_row_tiles)
 
 
 def lora_expand_rotary_write_kv(
@@ -266,11 +265,13 @@ def lora_expand_rotary_write_kv(
     g = e.groups
     num_blocks, page = k_cache.shape[:2]
     programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    row_tiles = g.row_tiles_for(cfg.block_m)
     grid = (hq + 2 * hk, programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_rotary_write_kv_kernel[grid](
         y, e.h, lora_b, e.scale, ranks, stride_rl, g.sorted_rows, g.group_start, g.group_size,
-        g.group_adapter, q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, g.num_groups,
+        g.group_adapter, q_out, k_cache, v_cache, positions, cos_sin, slot_mapping, row_tiles,
+        row_tiles.shape[0],
         num_blocks * page, e.rank,
         hq, hk, y.stride(0), *e.h_strides, lora_b.stride(0), lora_b.stride(1),
         q_out.stride(0), q_out.stride(1),
@@ -279,7 +280,7 @@ def lora_expand_rotary_write_kv(
         PAGE=page, HEAD_DIM=head_dim, HALF=head_dim // 2,
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_kwargs(y),

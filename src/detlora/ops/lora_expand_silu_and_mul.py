@@ -35,7 +35,6 @@ from detlora.ops.lora_expand import (
     lora_expand_ref,
     lora_update,
     row_tile_of,
-    row_tiles,
     slot_rank,
     tile_config,
 )
@@ -103,7 +102,7 @@ def _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, strid
         out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_groups"])
+@triton.jit(do_not_specialize=["num_row_tiles"])
 def _expand_silu_and_mul_kernel(
     y_ptr,
     out_ptr,
@@ -116,7 +115,8 @@ def _expand_silu_and_mul_kernel(
     group_start_ptr,
     group_size_ptr,
     group_adapter_ptr,
-    num_groups,
+    row_tiles_ptr,
+    num_row_tiles,
     R,
     inter,
     stride_ym,
@@ -136,7 +136,6 @@ def _expand_silu_and_mul_kernel(
     BLOCK_R: tl.constexpr,
     EVEN_R: tl.constexpr,
     RANKS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     ROW_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -145,8 +144,7 @@ def _expand_silu_and_mul_kernel(
     # ROW_LOOP fewer that loop, as the expand's do).
     tile_n = tl.program_id(0)
     t = tl.program_id(1)
-    sizes, firsts, ends = row_tiles(group_size_ptr, num_groups, BLOCK_M, BLOCK_G)
-    group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+    group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t, num_row_tiles)
     if not ROW_LOOP:
         _silu_and_mul_tile(y_ptr, out_ptr, h_ptr, b_ptr, scale_ptr, ranks_ptr, stride_rl,
                            rows_ptr, group_start_ptr, group_adapter_ptr, group, group_rows,
@@ -163,7 +161,8 @@ def _expand_silu_and_mul_kernel(
                                stride_bl, stride_bn, NUM_PARTS, TAIL_GROUP, PARTIALS,
                                BLOCK_M, BLOCK_N, BLOCK_R, EVEN_R, RANKS)
             t += tl.num_programs(1)
-            group, tile_m, group_rows = row_tile_of(t, sizes, firsts, ends, BLOCK_G)
+            group, tile_m, group_rows = row_tile_of(row_tiles_ptr, group_size_ptr, t,
+                                                    num_row_tiles)
 
 
 def lora_expand_silu_and_mul(
@@ -195,16 +194,18 @@ def lora_expand_silu_and_mul(
     cfg = tile_config(config, m, e.rank, inter)
     g = e.groups
     programs, row_loop = row_tile_programs(m, cfg.block_m, g.num_groups, cfg.group_cap)
+    row_tiles = g.row_tiles_for(cfg.block_m)
     grid = (cdiv(inter, cfg.block_n), programs)
     ranks, stride_rl, has_ranks = e.rank_args()
     _expand_silu_and_mul_kernel[grid](
         y, out, e.h, lora_b, e.scale, ranks, stride_rl,
-        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, g.num_groups,
+        g.sorted_rows, g.group_start, g.group_size, g.group_adapter, row_tiles,
+        row_tiles.shape[0],
         e.rank, inter, y.stride(0), y.stride(1), out.stride(0), *e.h_strides,
         lora_b.stride(0), lora_b.stride(1),
         NUM_PARTS=e.num_parts, TAIL_GROUP=e.tail_group, PARTIALS=e.partials,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, BLOCK_G=g.block_g, ROW_LOOP=row_loop,
+        EVEN_R=e.even_r(cfg.block_r), RANKS=has_ranks, ROW_LOOP=row_loop,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(y),
     )
     return out

@@ -3,7 +3,8 @@
 Grouping tokens by adapter needs a host sync on the device, so the decode and step graphs
 group on the host (``group_tokens_host``) and stage the result with their other inputs. The
 layout: the per-token adapter slots and the token order sorted by adapter (one entry per row
-each), then the groups' start, size and adapter (``max_groups`` entries each). A graph of
+each), then the groups' start, size and adapter (``max_groups`` entries each), and apart from
+them the expands' row tiles (``row_tile_room`` entries at ``row_tiles_at``). A graph of
 ``rows`` rows reads views of the buffer; staging writes its pinned host twin.
 """
 
@@ -14,7 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from detlora.ops.adapter_groups import AdapterGroups, group_tokens_host
+from detlora.ops.adapter_groups import (
+    AdapterGroups,
+    group_tokens_host,
+    max_row_tiles,
+    row_tile_table_host,
+)
+from detlora.ops.lora_configs import expand_block_m
 
 
 @dataclass(frozen=True)
@@ -24,10 +31,13 @@ class AdapterGroupLayout:
     groups_at: int  # group_start, then group_size, then group_adapter
     max_groups: int
     num_adapters: int  # adapter slots
+    row_tiles_at: int  # row_tile_room(max rows, num_adapters) entries
 
     def views(self, i32: torch.Tensor, rows: int) -> AdapterGroups:
         """The groups of a ``rows``-row graph, as views of the device buffer ``i32``."""
         g, lo, gmax = min(rows, self.num_adapters + 1), self.groups_at, self.max_groups
+        bm = expand_block_m(rows)
+        tiles = self.row_tiles_at
         return AdapterGroups(
             token_adapter=i32[self.token_adapter_at: self.token_adapter_at + rows],
             sorted_rows=i32[self.sorted_rows_at: self.sorted_rows_at + rows],
@@ -35,6 +45,8 @@ class AdapterGroupLayout:
             group_size=i32[lo + gmax: lo + gmax + g],
             group_adapter=i32[lo + 2 * gmax: lo + 2 * gmax + g],
             num_adapters=self.num_adapters,
+            row_tiles=i32[tiles: tiles + max_row_tiles(rows, bm, g)],
+            row_block=bm,
         )
 
     def stage(self, h32: np.ndarray, token_adapter: list[int]) -> None:
@@ -47,6 +59,8 @@ class AdapterGroupLayout:
         for i, values in enumerate((start, size, adapter)):
             lo = self.groups_at + i * self.max_groups
             h32[lo: lo + len(values)] = values
+        tiles = row_tile_table_host(size, n, expand_block_m(n))
+        h32[self.row_tiles_at: self.row_tiles_at + len(tiles)] = tiles
 
 
 __all__ = ["AdapterGroupLayout"]

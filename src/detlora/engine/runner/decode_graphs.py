@@ -30,6 +30,7 @@ from detlora.engine.runner.copy_fence import CopyFence
 from detlora.engine.runner.graph_capture import Forward, capture_bucket
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.ops.adapter_groups import row_tile_room
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -63,8 +64,9 @@ class DecodeGraphs:
         # int64 [5n]: feed (written on the device), then the staged rows input_ids,
         # positions, slot_mapping, id_index (where each row's input id sits in feed + ids).
         # int32: seq_lens [n], token_adapter [n], sorted_rows [n], then group_start,
-        # group_size, group_adapter [max_groups each].
-        n32 = 3 * n + 3 * self.max_groups
+        # group_size, group_adapter [max_groups each], then the expands' row tiles.
+        tiles = 0 if num_adapters is None else row_tile_room(n, num_adapters)
+        n32 = 3 * n + 3 * self.max_groups + tiles
         self._i64 = torch.zeros(5 * n, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32,
@@ -91,7 +93,8 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.group_layout = None if num_adapters is None else AdapterGroupLayout(
             token_adapter_at=n, sorted_rows_at=2 * n, groups_at=3 * n,
-            max_groups=self.max_groups, num_adapters=num_adapters)
+            max_groups=self.max_groups, num_adapters=num_adapters,
+            row_tiles_at=3 * n + 3 * self.max_groups)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.pool: object | None = None  # the graphs' memory pool, once captured

@@ -36,6 +36,7 @@ from detlora.engine.runner.copy_fence import CopyFence
 from detlora.engine.runner.graph_capture import Forward, capture_bucket
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.ops.adapter_groups import row_tile_room
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Up to 256 sequences, so that an arrival beside many running sequences still replays a graph.
@@ -79,9 +80,10 @@ class StepGraphs:
         # int64 [4t + s]: input ids, positions, slot_mapping, fed source (-1: staged id),
         # then logits_indices. int32: token_adapter [t], sorted_rows [t], group_start,
         # group_size, group_adapter [max_groups each], seq_lens [s + 1],
-        # query_start_loc [s + 2].
+        # query_start_loc [s + 2], then the expands' row tiles.
         g = self.max_groups
-        self._n32 = 2 * t + 3 * g + (s + 1) + (s + 2)
+        tiles_at = 2 * t + 3 * g + (s + 1) + (s + 2)
+        self._n32 = tiles_at + (0 if num_adapters is None else row_tile_room(t, num_adapters))
         self._i64 = torch.zeros(4 * t + s, dtype=torch.int64, device=device)
         self._i32 = torch.zeros(self._n32, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(s + 1, width, dtype=torch.int32, device=device)
@@ -97,7 +99,7 @@ class StepGraphs:
         self._groups_at = 2 * t
         self.group_layout = None if num_adapters is None else AdapterGroupLayout(
             token_adapter_at=0, sorted_rows_at=t, groups_at=2 * t, max_groups=g,
-            num_adapters=num_adapters)
+            num_adapters=num_adapters, row_tiles_at=tiles_at)
         self.seq_lens = self._i32[2 * t + 3 * g: 2 * t + 3 * g + s + 1]
         self.query_start_loc = self._i32[2 * t + 3 * g + s + 1:]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
