@@ -48,7 +48,7 @@ from detlora.engine.sample.stop_strings import match_stop_string
 from detlora.engine.sched.block_hashes import UNREAD
 from detlora.engine.sched.block_manager import BlockManager
 from detlora.engine.sched.scheduler import Scheduler, SchedulerOutput
-from detlora.engine.sched.sequence import FinishReason
+from detlora.engine.sched.sequence import FinishReason, SequenceStatus
 from detlora.engine.sched.sequence import Sequence as Seq
 from detlora.engine.tokenizer import Tokenizer
 from detlora.engine_args import EngineArgs
@@ -287,6 +287,7 @@ class LLMEngine:
             weights_hash=self.model.weights_hash(), dtype=self.dtype, device=self.device,
             backend=backend.describe(), settings=settings,
         )
+        self._fingerprints: dict[str | None, str] = {}  # adapter hash -> fingerprint
         self._counter = itertools.count()
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps launched before the previous one was read
@@ -675,9 +676,7 @@ class LLMEngine:
             if not sched.scheduled:
                 return None
             seqs = [s.seq for s in sched.scheduled]
-        step = build_step_inputs(sched, slots, self.config.block_size)
-        if fed_rows is not None:
-            step = dataclasses.replace(step, input_ids=_fed_input_ids(step, sched, fed_rows))
+        step = build_step_inputs(sched, slots, self.config.block_size, fed_rows)
         out = self.runner.execute(step, sched.is_decode_only)
         if self.lora_manager is not None:
             self._prefetch_adapters(sched)  # while the step runs
@@ -779,16 +778,17 @@ class LLMEngine:
         ):
             return None
         rows = {id(seq): r for r, seq in enumerate(current.seqs)}
+        block_size = self.block_manager.block_size
         pages = 0
         for seq in running:
             length = len(seq.token_ids)  # with the unread token
             if (
                 id(seq) not in rows
-                or seq.num_pending != 1
+                or length - seq.num_computed != 1  # its pending tokens
                 or length >= seq.max_len  # max_tokens or max_model_len
             ):
                 return None
-            pages += self.block_manager.blocks_needed(seq, length)
+            pages += max(0, -(-length // block_size) - len(seq.block_table))  # blocks_needed
         if pages > self.block_manager.num_free:
             return None
         decoding = len(running)
@@ -811,26 +811,29 @@ class LLMEngine:
                 seq.label_logprobs = logprobs
         touched: list[Seq] = []
         now = time.time()
+        vocab = self.spec.vocab_size
+        register = self.block_manager.register
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # finished by the step before: this row ran ahead for nothing
-            if not result.finite or not 0 <= result.token_id < self.spec.vocab_size:
+            token = result.token_id
+            if not result.finite or not 0 <= token < vocab:
                 del seq.token_ids[pos:]  # its unread token (and one launched ahead)
                 seq.error = self._nonfinite_message(seq, pos, inflight.step, result)
                 self.scheduler.finish(seq, FinishReason.ERROR)
                 touched.append(seq)
                 continue
-            seq.token_ids[pos] = result.token_id
+            seq.token_ids[pos] = token
             seq.last_token_time = now
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
                 seq.logprob_ranks.append(result.ranks)
-            self.block_manager.register(seq)  # a page that waited for this token
-            reason = self._finish_reason(seq, result.token_id, pos + 1)
+            register(seq)  # a page that waited for this token
+            reason = self._finish_reason(seq, token, pos + 1)
             if reason is None and isinstance(seq.grammar, GrammarMatcher):
-                seq.grammar.accept(result.token_id)
+                seq.grammar.accept(token)
                 if seq.grammar.is_terminated:  # complete, and only a stop token fits now
                     reason = FinishReason.STOP
             if reason is not None:
@@ -877,15 +880,17 @@ class LLMEngine:
 
     def _sample_request(self, seq: Seq, fed_row: int | None = None) -> SampleRequest:
         """``fed_row``: in a step launched ahead, where the sequence's unread last token is."""
-        banned = self._stop_ids(seq) if seq.num_output_tokens < seq.params.min_tokens else ()
+        params = seq.params
+        banned = (self._stop_ids(seq) if params.min_tokens
+                  and seq.num_output_tokens < params.min_tokens else ())
         # Most rows have no adjustment: skip copying their output tokens every step.
-        adjust = (row_adjust(seq.params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
-                  if has_adjustments(seq.params) else None)
+        adjust = (row_adjust(params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
+                  if has_adjustments(params) else None)
         mask = None
         if isinstance(seq.grammar, GrammarMatcher):
             mask = torch.empty(seq.grammar.mask_words, dtype=torch.int32)
             seq.grammar.fill_mask(mask)
-        return SampleRequest(seq.params, seq.sample_seed, len(seq.token_ids), banned, adjust,
+        return SampleRequest(params, seq.sample_seed, len(seq.token_ids), banned, adjust,
                              token_mask=mask)
 
     def _finish_reason(self, seq: Seq, token: int, length: int) -> FinishReason | None:
@@ -894,8 +899,7 @@ class LLMEngine:
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        outputs = length - seq.num_prompt_tokens
-        if params.stop and outputs >= params.min_tokens:
+        if params.stop and length - seq.num_prompt_tokens >= params.min_tokens:
             assert self.detokenize is not None  # check_request: stop strings need a tokenizer
             match = match_stop_string(self.detokenize, seq.token_ids[seq.num_prompt_tokens:length],
                                       params.stop, params.include_stop_str_in_output)
@@ -915,7 +919,11 @@ class LLMEngine:
         adapter = None
         if lora is not None and self.lora_manager is not None:
             adapter = self.lora_manager.adapter_hash(lora.lora_int_id)
-        return fingerprint(self._fingerprint_parts, adapter)
+        # Every output carries one: hashed once per adapter content, not per output.
+        known = self._fingerprints.get(adapter)
+        if known is None:
+            known = self._fingerprints[adapter] = fingerprint(self._fingerprint_parts, adapter)
+        return known
 
     def _output_fingerprint(self, seq: Seq) -> str:
         """``fingerprint_of`` the request's adapter; one that never loaded (the request
@@ -1000,16 +1008,3 @@ class LLMEngine:
         text = self.token_text
         return {token: Logprob(value, rank, None if text is None else text(token))
                 for (token, value), rank in zip(values.items(), ranks, strict=True)}
-
-
-def _fed_input_ids(step: StepInputs, sched: SchedulerOutput,
-                   fed_rows: list[int | None]) -> list[int]:
-    """``step``'s input ids with each fed sequence's one token replaced by ``-1 - row``: the
-    token the previous step sampled for ``row``, which only the device has yet."""
-    ids = list(step.input_ids)
-    at = 0
-    for item, row in zip(sched.scheduled, fed_rows, strict=True):
-        if row is not None:
-            ids[at] = -1 - row
-        at += item.num_tokens
-    return ids

@@ -161,6 +161,9 @@ class LoRAManager:
                 continue
             if not isinstance(req, LoRARequest):
                 raise ValueError(f"expected a LoRARequest or None, got {type(req).__name__}")
+            known = paths.get(req.id)
+            if known is not None and known == req.real_path:
+                continue  # this id and directory passed the checks earlier in this step
             self._check_path(req, paths.setdefault(req.id, req.real_path))
         ids = set(paths)
         if len(ids) > self.max_loras:

@@ -47,9 +47,13 @@ class StepInputs:
 
 
 def build_step_inputs(
-    sched: SchedulerOutput, adapter_slots: list[int], block_size: int
+    sched: SchedulerOutput, adapter_slots: list[int], block_size: int,
+    fed_rows: list[int | None] | None = None,
 ) -> StepInputs:
-    """Flatten ``sched``; ``adapter_slots[i]`` is the slot of scheduled sequence i (-1: none)."""
+    """Flatten ``sched``; ``adapter_slots[i]`` is the slot of scheduled sequence i (-1: none).
+    ``fed_rows[i]`` (a step launched ahead): the previous step's row whose sampled token is
+    sequence i's first input, which only the device has yet; its input id is ``-1 - row``
+    (None: the host has the sequence's tokens)."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -61,15 +65,25 @@ def build_step_inputs(
     prompt_rows: list[int] = []
     prompt_row_seqs: list[int] = []
     prompt_row_positions: list[int] = []
+    rows = 0  # tokens so far: qsl[-1]
     for k, (item, slot) in enumerate(zip(sched.scheduled, adapter_slots, strict=True)):
         seq, n = item.seq, item.num_tokens
         start = seq.num_computed
         table = seq.block_table
-        ids.extend(seq.token_ids[start : start + n])
-        for p in range(start, start + n):
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        adapters.extend([slot] * n)
+        fed = fed_rows[k] if fed_rows is not None else None
+        if n == 1:  # a decode: one token, the common case
+            ids.append(seq.token_ids[start] if fed is None else -1 - fed)
+            pos.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+            adapters.append(slot)
+        else:
+            ids.extend(seq.token_ids[start : start + n])
+            if fed is not None:
+                ids[rows] = -1 - fed
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+            adapters.extend([slot] * n)
         tables.append(list(table))
         seq_lens.append(start + n)
         if seq.params.prompt_logprobs is not None:
@@ -77,11 +91,12 @@ def build_step_inputs(
             # after preemption) are not scored again.
             for p in range(max(start, len(seq.prompt_logprobs)),
                            min(start + n, seq.num_prompt_tokens - 1)):
-                prompt_rows.append(qsl[-1] + p - start)
+                prompt_rows.append(rows + p - start)
                 prompt_row_seqs.append(k)
                 prompt_row_positions.append(p)
-        qsl.append(qsl[-1] + n)
+        rows += n
+        qsl.append(rows)
         if item.samples:
-            logits_idx.append(qsl[-1] - 1)
+            logits_idx.append(rows - 1)
     return StepInputs(ids, pos, slots, adapters, tables, seq_lens, qsl, logits_idx,
                       prompt_rows, prompt_row_seqs, prompt_row_positions)

@@ -41,8 +41,7 @@ from __future__ import annotations
 import array
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,6 +52,7 @@ from detlora.engine.sample.logit_adjust import AdjustTensors, RowAdjust, apply_a
 from detlora.engine.sample.token_filter import filter_logits
 
 _FIXED_POINT = 1 << 40  # top-p mass unit: exact int64 sums for up to 2^23 tokens
+_SEED_KEYS_KEPT = 1 << 16  # seed keys a sampler caches before it starts over
 _NO_LIMIT = 1 << 62  # top-p limit of a row with top_p = 1: above any row's total mass
 # Moved to detlora.ops.sampling; still importable from here (see __getattr__).
 _OPS_NAMES = ("_MASK32", "_mul32", "_mix32", "gumbel_noise", "token_hash", "uniform_noise")
@@ -68,9 +68,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclass(frozen=True)
-class SampleRequest:
-    """What the sampler needs for one logits row."""
+class SampleRequest(NamedTuple):
+    """What the sampler needs for one logits row (a NamedTuple: the engine builds one per
+    row every step, and a frozen dataclass costs several times as much to build)."""
 
     params: SamplingParams
     seed: int  # 64-bit
@@ -80,8 +80,9 @@ class SampleRequest:
     token_mask: torch.Tensor | None = None  # a grammar's allowed tokens: int32 bitmask (CPU)
 
 
-@dataclass(frozen=True)
-class SampleResult:
+class SampleResult(NamedTuple):
+    """One row's sampled token (a NamedTuple, as ``SampleRequest``: one per row per step)."""
+
     token_id: int
     logprobs: dict[int, float] | None  # chosen token first, then the top ``params.logprobs``
     finite: bool = True  # False: the row's logits held a NaN or inf (token_id is a stand-in)
@@ -94,11 +95,20 @@ def derive_seed(engine_seed: int, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _row_keys(mix: Callable[[int], int], seed: int, position: int) -> tuple[int, int]:
+def _seed_key(mix: Callable[[int], int], seed: int) -> int:
+    """The part of a row's keys that depends on its seed alone."""
     k = mix((seed & 0xFFFFFFFF) ^ 0x9E3779B9)
-    k = mix(k ^ ((seed >> 32) & 0xFFFFFFFF))
-    k1 = mix(k ^ (position & 0xFFFFFFFF))
+    return mix(k ^ ((seed >> 32) & 0xFFFFFFFF))
+
+
+def _position_keys(mix: Callable[[int], int], seed_key: int,
+                   position: int) -> tuple[int, int]:
+    k1 = mix(seed_key ^ (position & 0xFFFFFFFF))
     return k1, mix(k1 ^ 0x85EBCA6B)
+
+
+def _row_keys(mix: Callable[[int], int], seed: int, position: int) -> tuple[int, int]:
+    return _position_keys(mix, _seed_key(mix, seed), position)
 
 
 def row_keys(seed: int, position: int) -> tuple[int, int]:
@@ -307,6 +317,25 @@ class Sampler:
         self.logprobs_mode = LogprobsMode.parse(logprobs_mode)
         self._token_hash: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._staging = PinnedStaging()
+        # ``_seed_key`` of the seeds sampled lately: a request samples with one seed at
+        # every step, so half of its row keys' hashing is done once.
+        self._seed_keys: dict[int, int] = {}
+
+    def _keys_of(self, requests: Sequence[SampleRequest], rows: list[int]) -> list[int]:
+        """The two row keys of each of ``rows``, flat (``row_keys`` of its seed and
+        position)."""
+        mix = self._ops._mix32
+        cache = self._seed_keys
+        if len(cache) > _SEED_KEYS_KEPT:
+            cache.clear()
+        out: list[int] = []
+        for i in rows:
+            r = requests[i]
+            k = cache.get(r.seed)
+            if k is None:
+                k = cache[r.seed] = _seed_key(mix, r.seed)
+            out += _position_keys(mix, k, r.position)
+        return out
 
     def token_hash(self, vocab: int, device: torch.device) -> torch.Tensor:
         key = (vocab, device)
@@ -478,9 +507,7 @@ class Sampler:
         masked_sec = up.add(masked) if masked else None
         if sampled:
             params = [requests[i].params for i in sampled]
-            mix = self._ops._mix32
-            keys_sec = up.add([k for i in sampled for k in _row_keys(
-                mix, requests[i].seed, requests[i].position)])
+            keys_sec = up.add(self._keys_of(requests, sampled))
             temp_sec = up.add(_fp32_bits([p.temperature for p in params]))
             top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
             top_k_sec = up.add(top_k) if any(k < vocab for k in top_k) else None
@@ -644,16 +671,24 @@ class Sampler:
         def parse(values: list[float]) -> list[SampleResult]:
             flags = values[len(values) - n :]
             token_list = [int(v) for v in values[:n]]
+            if not w:
+                return [SampleResult(t, None, f != 0.0)
+                        for t, f in zip(token_list, flags, strict=True)]
             chosen = values[n : n + w]
             ranks = values[n + w : n + 2 * w]
             top = values[n + 2 * w :]
             ids_at = w * top_n
-            results = [SampleResult(t, None, flags[i] != 0.0) for i, t in enumerate(token_list)]
+            entries: list[tuple[dict[int, float], tuple[int, ...]] | None] = [None] * n
             for j, i in enumerate(want):
-                entry, places = _top_entry(token_list[i], chosen[j], int(ranks[j]),
-                                           top[j * top_n : j * top_n + requests[i].params.logprobs],
-                                           top[ids_at + j * top_n :])
-                results[i] = SampleResult(token_list[i], entry, flags[i] != 0.0, places)
-            return results
+                if top_n == 0:  # the chosen token alone (``_top_entry`` of no top tokens)
+                    entries[i] = {token_list[i]: chosen[j]}, (int(ranks[j]),)
+                else:
+                    entries[i] = _top_entry(
+                        token_list[i], chosen[j], int(ranks[j]),
+                        top[j * top_n : j * top_n + requests[i].params.logprobs],
+                        top[ids_at + j * top_n :])
+            return [SampleResult(t, None, f != 0.0) if e is None else
+                    SampleResult(t, e[0], f != 0.0, e[1])
+                    for t, f, e in zip(token_list, flags, entries, strict=True)]
 
         return parse

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from detlora.engine.sched.block_manager import BlockManager
 from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
@@ -42,8 +43,10 @@ from detlora.engine.sched.sequence import FinishReason, Sequence, SequenceStatus
 MAX_ADAPTER_WAIT = 64
 
 
-@dataclass(frozen=True)
-class ScheduledSequence:
+class ScheduledSequence(NamedTuple):
+    """One sequence's part of a step (a NamedTuple: one per running sequence every step,
+    cheaper to build than a frozen dataclass)."""
+
     seq: Sequence
     num_tokens: int  # tokens computed this step: [seq.num_computed, + num_tokens)
     samples: bool  # this step computes the last pending token, so it samples the next one
@@ -115,24 +118,30 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
+        running, blocks = self.running, self.blocks
+        block_size = blocks.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_pending, budget)
-            while not self.blocks.can_allocate(seq, seq.num_computed + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: nothing after it is left either
-            self.blocks.allocate(seq, seq.num_computed + n)
-            scheduled.append(ScheduledSequence(seq, n, n == seq.num_pending))
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            pending = len(seq.token_ids) - seq.num_computed
+            n = min(pending, budget)
+            end = seq.num_computed + n
+            # Most steps find the sequence's last page with room: no page to take.
+            if -(-end // block_size) > len(seq.block_table):
+                while not blocks.can_allocate(seq, end):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # it preempted itself: nothing after it is left either
+                blocks.allocate(seq, end)
+            scheduled.append(ScheduledSequence(seq, n, n == pending))
             budget -= n
             i += 1
 
-        if not preempted:
+        if not preempted and self.waiting:
             budget = self._admit(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 

@@ -95,10 +95,11 @@ class Sequence:
     @property
     def num_read_output_tokens(self) -> int:
         """Output tokens read to the host (a step launched ahead leaves -1 at the end)."""
-        n = len(self.token_ids)
-        while n > self.num_prompt_tokens and self.token_ids[n - 1] < 0:
+        ids, prompt = self.token_ids, len(self.prompt_token_ids)
+        n = len(ids)
+        while n > prompt and ids[n - 1] < 0:
             n -= 1
-        return n - self.num_prompt_tokens
+        return n - prompt
 
     @property
     def num_pending(self) -> int:
