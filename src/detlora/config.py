@@ -84,6 +84,9 @@ class LogprobsMode(str, Enum):
 
 # The level an engine (or a backend) gets when none is asked for, on every device.
 DEFAULT_DETERMINISM = Determinism.BATCH_INVARIANT
+# Adapter slots at most: the expands' row-tile table packs a group index (slots + 1 groups) into
+# the upper half of an int32 entry (ops/adapter_groups.py).
+MAX_ADAPTER_SLOTS = (1 << 15) - 2
 
 # The reduction each level uses unless ``lora_reduction`` overrides it. The deterministic
 # levels take in_gemm, faster than a shrink kernel beside the GEMM (see docs/decisions.md,

@@ -23,6 +23,7 @@ from typing import Any
 from detlora.config import (
     DEFAULT_DETERMINISM,
     DEFAULT_LORA_REDUCTION,
+    MAX_ADAPTER_SLOTS,
     Determinism,
     LogprobsMode,
     LoRAReduction,
@@ -190,7 +191,7 @@ class EngineArgs:
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
                              "supported (1 only)")
-        _check_int("max_loras", self.max_loras, low=1)
+        _check_int("max_loras", self.max_loras, low=1, high=MAX_ADAPTER_SLOTS)
         _check_int("max_lora_rank", self.max_lora_rank, low=1)
         if self.max_cpu_loras is not None and _check_int(
                 "max_cpu_loras", self.max_cpu_loras, low=1) < self.max_loras:

@@ -41,7 +41,7 @@ def test_out_of_range_ids_raise(bad, match):
 
 
 def test_other_bad_inputs_raise():
-    with pytest.raises(ValueError, match="num_adapters must be a positive int"):
+    with pytest.raises(ValueError, match="num_adapters must be an int in"):
         group_tokens(torch.tensor([0], dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="token_adapter must have 1 dimensions"):
         group_tokens(torch.zeros(2, 2, dtype=torch.int32), 2)
@@ -62,10 +62,24 @@ def test_host_grouping_gives_the_device_grouping(ids, num_adapters):
                     g.group_adapter.tolist())
 
 
+def test_slot_counts_past_the_row_tile_packing_raise():
+    from detlora.config import MAX_ADAPTER_SLOTS
+    from detlora.engine_args import EngineArgs
+
+    ids = torch.zeros(2, dtype=torch.int32)
+    assert group_tokens(ids, MAX_ADAPTER_SLOTS).num_adapters == MAX_ADAPTER_SLOTS
+    with pytest.raises(ValueError, match="num_adapters must be an int in"):
+        group_tokens(ids, MAX_ADAPTER_SLOTS + 1)
+    with pytest.raises(ValueError, match="num_adapters must be an int in"):
+        group_tokens_host([0], MAX_ADAPTER_SLOTS + 1)
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineArgs(model="m", max_loras=MAX_ADAPTER_SLOTS + 1)
+
+
 def test_host_grouping_bad_inputs_raise():
     with pytest.raises(ValueError, match="adapter id 4, outside"):
         group_tokens_host([0, 4], 4)
-    with pytest.raises(ValueError, match="num_adapters must be a positive int"):
+    with pytest.raises(ValueError, match="num_adapters must be an int in"):
         group_tokens_host([0], 0)
     with pytest.raises(ValueError, match="at least one row"):
         group_tokens_host([], 2)

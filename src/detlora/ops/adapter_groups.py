@@ -30,11 +30,13 @@ Semantics:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from detlora.config import MAX_ADAPTER_SLOTS
 from detlora.ops.checks import check_tensor
 from detlora.ops.lora_configs import expand_block_m
 
@@ -81,8 +83,7 @@ def group_tokens(
     check_tensor(
         "token_adapter", token_adapter, ndim=1, dtypes=(torch.int32, torch.int64, torch.int16)
     )
-    if not isinstance(num_adapters, int) or num_adapters < 1:
-        raise ValueError(f"num_adapters must be a positive int, got {num_adapters!r}")
+    _check_num_adapters(num_adapters)
     m = token_adapter.shape[0]
     if m == 0:
         raise ValueError("token_adapter must have at least one row, got 0")
@@ -141,7 +142,8 @@ def row_tile_table(group_size: torch.Tensor, num_rows: int, block_m: int) -> tor
 
 def row_tile_table_host(group_size: Sequence[int], num_rows: int, block_m: int) -> list[int]:
     """:func:`row_tile_table` on host ints (the graphs stage it with the groups)."""
-    out = [g * ROW_TILE_GROUP + i for g, n in enumerate(group_size)
+    # Groups with rows come first: the empty ones after them add no tile.
+    out = [g * ROW_TILE_GROUP + i for g, n in enumerate(itertools.takewhile(bool, group_size))
            for i in range(-(-n // block_m))]
     return out + [-1] * (max_row_tiles(num_rows, block_m, len(group_size)) - len(out))
 
@@ -172,6 +174,13 @@ def row_tile_programs(num_rows: int, block_m: int, num_groups: int,
     return programs, programs < most
 
 
+def _check_num_adapters(num_adapters: int) -> None:
+    if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or not (
+            1 <= num_adapters <= MAX_ADAPTER_SLOTS):
+        raise ValueError(f"num_adapters must be an int in [1, {MAX_ADAPTER_SLOTS}], got "
+                         f"{num_adapters!r}")
+
+
 def check_cap(cap: int | None) -> None:
     """A group cap is None or a positive int."""
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
@@ -183,26 +192,26 @@ def group_tokens_host(
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """:func:`group_tokens` on host ints, for inputs that start on the host (a decode step's
     adapter slots): (sorted_rows, group_start, group_size, group_adapter), the same values."""
-    if not isinstance(num_adapters, int) or num_adapters < 1:
-        raise ValueError(f"num_adapters must be a positive int, got {num_adapters!r}")
+    _check_num_adapters(num_adapters)
     if not token_adapter:
         raise ValueError("token_adapter must have at least one row, got 0")
+    lo, hi = min(token_adapter), max(token_adapter)
+    if lo < -1 or hi >= num_adapters:
+        bad = next(a for a in token_adapter if not -1 <= a < num_adapters)
+        raise ValueError(
+            f"token_adapter holds adapter id {bad}, outside [-1, {num_adapters - 1}] "
+            f"(-1 = no adapter, {num_adapters} adapter slots)"
+        )
+    # Per-step host work: C-level builtins over the rows and the slots, no list per slot.
     counts = [0] * (num_adapters + 1)
-    rows_of: list[list[int]] = [[] for _ in range(num_adapters + 1)]
-    for row, a in enumerate(token_adapter):
-        if not -1 <= a < num_adapters:
-            raise ValueError(
-                f"token_adapter holds adapter id {a}, outside [-1, {num_adapters - 1}] "
-                f"(-1 = no adapter, {num_adapters} adapter slots)"
-            )
+    for a in token_adapter:
         counts[a + 1] += 1
-        rows_of[a + 1].append(row)
-    starts, total = [], 0
-    for c in counts:
-        starts.append(total)
-        total += c
-    order = [k for k, c in enumerate(counts) if c] + [k for k, c in enumerate(counts) if not c]
-    order = order[: min(len(token_adapter), num_adapters + 1)]
-    sorted_rows = [r for rows in rows_of for r in rows]
+    starts = [end - c for end, c in zip(itertools.accumulate(counts), counts, strict=True)]
+    used = [k for k, c in enumerate(counts) if c]
+    order = used
+    num_groups = min(len(token_adapter), num_adapters + 1)
+    if len(used) < num_groups:
+        order = used + [k for k, c in enumerate(counts) if not c][: num_groups - len(used)]
+    sorted_rows = sorted(range(len(token_adapter)), key=token_adapter.__getitem__)  # stable
     return (sorted_rows, [starts[k] for k in order], [counts[k] for k in order],
             [k - 1 for k in order])
