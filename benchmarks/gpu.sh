@@ -19,8 +19,9 @@
 #                     profile-slot-cost (one adapter in use, 1 and 64 slots: kernel tables)
 #                     | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
-#                     shrink-chunks | multi-lora | serving (installs .whl/*.whl first: the
-#                     server's wheels)
+#                     shrink-chunks | multi-lora (or in parts: multi-lora-traffic
+#                     multi-lora-invariance slot-cost) | serving (installs .whl/*.whl
+#                     first: the server's wheels)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
@@ -147,6 +148,14 @@ for step in "${steps[@]}"; do
     # alone with --parts traffic|slot_cost|invariance.
     multi-lora) python3 -m benchmarks.suites.multi_lora --out "$OUT/multi_lora.json" \
                   || status=1 ;;
+    # The multi-LoRA suite in parts that each fit one device call (~3-4 min): traffic with its
+    # invariance rows; the slot-only invariance checks; the slot-cost sweep of both shapes.
+    multi-lora-traffic) python3 -m benchmarks.suites.multi_lora --parts traffic \
+                          --out "$OUT/multi_lora_traffic.json" || status=1 ;;
+    multi-lora-invariance) python3 -m benchmarks.suites.multi_lora --parts invariance \
+                             --out "$OUT/multi_lora_invariance.json" || status=1 ;;
+    slot-cost) python3 -m benchmarks.suites.multi_lora --parts slot_cost \
+                 --out "$OUT/multi_lora_slots.json" || status=1 ;;
     kernels-quick) python3 -m benchmarks.suites.lora_kernels --quick \
                      --out "$OUT/lora_kernels_quick.json" || status=1 ;;
     sweep) python3 -m benchmarks.suites.lora_kernels --sweep-only --out "$OUT/lora_sweep.json" \
