@@ -221,7 +221,8 @@ for step in "${steps[@]}"; do
     copy-reference) experiment copy_reference copy_reference.json || status=1 ;;
     cublas-kernels) experiment cublas_kernel_choice cublas_kernel_choice.json || status=1 ;;
     expand-group-cap) experiment expand_group_cap expand_group_cap.json || status=1 ;;
-    expand-spread-tiles) experiment expand_spread_tiles expand_spread_tiles.json || status=1 ;;
+    expand-spread-tiles) experiment expand_spread_tiles expand_spread_tiles.json --rows 64,96,128 \
+                           || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
     multi-lora-waves) experiment multi_lora_waves multi_lora_waves.json || status=1 ;;
     serving-timeline) server_wheels
