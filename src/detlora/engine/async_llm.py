@@ -72,6 +72,27 @@ class StreamTimes:
     first_token_reported: bool = False  # set by whoever reports the time to first token
 
 
+@dataclass(slots=True)
+class StreamDelta:
+    """One merged delta of a stream (what a ``RequestOutput`` delta carries, flat): new text,
+    token ids and logprobs, the finish and stop reasons (``error``: the engine's message when
+    finish_reason is "error"); the prompt's figures in a stream's first delta only."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
+    label_logprobs: dict[int, float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class RequestStream:
     """One request's deltas: iterate it (``async for``) until the finished one."""
 
@@ -94,7 +115,8 @@ class RequestStream:
         self._detok = None
         if tok is not None and detokenize:
             hold = max((len(s) for s in params.stop), default=1) - 1
-            self._detok = IncrementalDetokenizer(tok.decode, hold_back=hold)
+            self._detok = IncrementalDetokenizer(tok.decode, hold_back=hold,
+                                                 decode_one=llm._decode_one)
         self.fingerprint = llm.fingerprint_of(req.lora)
 
     @property
@@ -132,29 +154,44 @@ class RequestStream:
     # ---- the consumer ----
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
+        return self._iterate(self._output)
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    def deltas(self) -> AsyncIterator[StreamDelta]:
+        """The same deltas as ``async for``, as ``StreamDelta``: a server's streaming path
+        reads these per chunk without building the public output objects."""
+        return self._iterate(None)
+
+    async def _iterate(self, convert: Callable[[StreamDelta], Any] | None) -> AsyncIterator[Any]:
         try:
             while not self._finished:
                 await self._event.wait()
                 self._event.clear()
                 if self._pending:
                     merged, self._pending = self._pending, []
-                    yield self._output(merged)
+                    delta = self._take(merged)
+                    yield delta if convert is None else convert(delta)
                 elif self._error is not None:
                     raise self._error
         finally:
             if not self._finished:
                 self.llm._abort_unfinished(self)
 
-    def _output(self, deltas: list[Delta]) -> RequestOutput:
-        ids = [t for d in deltas for t in d[1]]
-        lps = None
-        if self.request.params.logprobs is not None:
-            lps = [lp for d in deltas for lp in (d[2] or ())]
-        reason, stop_reason = deltas[-1][3], deltas[-1][4]
-        first = next((d[5] for d in deltas if d[5] is not None), None)
+    def _take(self, deltas: list[Delta]) -> StreamDelta:
+        """The engine's deltas merged into one, its text detokenized."""
+        if len(deltas) == 1:
+            d = deltas[0]
+            ids = d[1]
+            lps = None
+            if self.request.params.logprobs is not None:
+                lps = d[2] if d[2] is not None else []
+            reason, stop_reason, first = d[3], d[4], d[5]
+        else:
+            ids = [t for d in deltas for t in d[1]]
+            lps = None
+            if self.request.params.logprobs is not None:
+                lps = [lp for d in deltas for lp in (d[2] or ())]
+            reason, stop_reason = deltas[-1][3], deltas[-1][4]
+            first = next((d[5] for d in deltas if d[5] is not None), None)
         self._ids += ids
         finished = reason is not None
         text = ""
@@ -166,17 +203,23 @@ class RequestStream:
         self._finished = finished
         if finished:
             self.llm._forget(self)
-        cached, prompt_lps, label_lps = first if first is not None else (0, None, None)
         error = stop_reason if reason == "error" else None
+        delta = StreamDelta(text, ids, lps, reason, None if error else stop_reason, error)
+        if first is not None:
+            delta.num_cached_tokens, delta.prompt_logprobs, delta.label_logprobs = first
+        return delta
+
+    def _output(self, delta: StreamDelta) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.request.prompt_token_ids,
-            outputs=[CompletionOutput(index=self.request.sample_index, text=text,
-                                      token_ids=ids, logprobs=lps, finish_reason=reason,
-                                      stop_reason=None if error else stop_reason,
-                                      error=error)],
-            finished=finished, fingerprint=self.fingerprint, prompt_logprobs=prompt_lps,
-            num_cached_tokens=cached, label_logprobs=label_lps)
+            outputs=[CompletionOutput(index=self.request.sample_index, text=delta.text,
+                                      token_ids=delta.token_ids, logprobs=delta.logprobs,
+                                      finish_reason=delta.finish_reason,
+                                      stop_reason=delta.stop_reason, error=delta.error)],
+            finished=delta.finished, fingerprint=self.fingerprint,
+            prompt_logprobs=delta.prompt_logprobs, num_cached_tokens=delta.num_cached_tokens,
+            label_logprobs=delta.label_logprobs)
 
     def _text_end(self, reason: str | None, stop_reason: Any) -> int | None:
         """Where a stop string cut the text: the engine's own rule on the same ids."""
@@ -218,6 +261,15 @@ class AsyncLLM:
         self._idle_reported = 0.0  # the engine process's waits with nothing to run, so far
         self._idle_since: float | None = None  # and the one going on (monotonic), if any
         self._idle_read = 0.0
+        self._decoded: dict[int, str] = {}  # decode([id]) per id, for the streams' detokenizers
+
+    def _decode_one(self, token_id: int) -> str:
+        """``tokenizer.decode([token_id])``, remembered per id (at most the vocabulary)."""
+        text = self._decoded.get(token_id)
+        if text is None:
+            assert self.tokenizer is not None
+            text = self._decoded[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @classmethod
     async def start(cls, config: EngineArgs, *, tokenizer_dir: str | None = None,
@@ -504,4 +556,5 @@ def _recv_or_none(conn: Any) -> Any:
         return None
 
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestStream",
+           "StreamDelta"]

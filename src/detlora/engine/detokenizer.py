@@ -7,7 +7,9 @@ delta back while it ends in U+FFFD (a character whose bytes are split over token
 strings, the last ``hold_back`` characters wait until the request finishes, so a stop string
 that completes later is never streamed. ``finish`` returns the rest of the exact text
 ``decode(output_ids)[:text_end]`` that the offline API gives, so the deltas concatenate to it.
-Each update costs O(window), not O(output).
+Each update costs O(window), not O(output). ``decode_one`` (optional, ``decode([id])`` kept
+per id, shared by a server's streams) serves the older window when it is one token, the usual
+case once tokens arrive one at a time: one tokenizer call per update instead of two.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[Sequence[int]], str], hold_back: int = 0) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], hold_back: int = 0,
+                 decode_one: Callable[[int], str] | None = None) -> None:
         self._decode = decode
+        self._decode_one = decode_one
         self._hold_back = max(0, hold_back)
         self._prefix_offset = 0  # the window starts here (tokens already turned into text)
         self._read_offset = 0  # tokens whose text is in ``_text``
@@ -34,7 +38,13 @@ class IncrementalDetokenizer:
     def update(self, output_ids: Sequence[int]) -> str:
         """``output_ids``: every output token so far (earlier ones unchanged)."""
         if len(output_ids) > self._read_offset:
-            before = self._decode(output_ids[self._prefix_offset: self._read_offset])
+            window = self._read_offset - self._prefix_offset
+            if window == 0:
+                before = ""
+            elif window == 1 and self._decode_one is not None:
+                before = self._decode_one(output_ids[self._prefix_offset])
+            else:
+                before = self._decode(output_ids[self._prefix_offset: self._read_offset])
             after = self._decode(output_ids[self._prefix_offset:])
             if len(after) > len(before) and not after.endswith(_REPLACEMENT) \
                     and after.startswith(before):

@@ -15,6 +15,7 @@ are aborted) and stops the engine.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 from typing import Any
@@ -42,6 +43,7 @@ from detlora.entrypoints.openai.serving_chat import ServingChat
 from detlora.entrypoints.openai.serving_completion import ServingCompletion
 from detlora.entrypoints.openai.serving_decisions import ServingDecisions
 from detlora.entrypoints.openai.serving_models import ServingModels
+from detlora.entrypoints.openai.sse import RAW_SEND
 
 logger = logging.getLogger("detlora.server")
 
@@ -71,7 +73,8 @@ async def read_body(request: Request, model: type[BaseModel]) -> Any:
 
 
 class _CountStatus:
-    """ASGI wrapper: counts responses by route and status for /metrics."""
+    """ASGI wrapper: counts responses by route and status for /metrics, and puts the
+    server's own ``send`` in the scope for ``SSEResponse``'s body chunks."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
@@ -83,6 +86,7 @@ class _CountStatus:
             return
         path = scope.get("path", "")
         route = path if path in _ROUTES else "other"
+        scope[RAW_SEND] = send
 
         async def counting_send(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -191,6 +195,10 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, *,
             app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=max(1, int(config.graceful_timeout)),
             access_log=False, lifespan="off"))
+        # What start-up built lives as long as the server: out of the collector's way, so
+        # that the full collections that per-chunk garbage triggers stay short.
+        gc.collect()
+        gc.freeze()
         if ready is not None:
             ready()
         await uv.serve()

@@ -3,24 +3,24 @@ choices, streamed as ``chat.completion.chunk`` events or answered whole."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from detlora.engine.outputs import RequestOutput
+from detlora.engine.async_llm import RequestStream
 from detlora.entrypoints.openai.errors import bad_request
 from detlora.entrypoints.openai.protocol import ChatCompletionRequest
 from detlora.entrypoints.openai.serving_completion import _stream_error
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
     logprob_value,
-    raise_if_failed,
+    raise_if_delta_failed,
     random_id,
     run_until_disconnect,
 )
+from detlora.entrypoints.openai.sse import DONE, ChatChunks, SSEResponse, event
 
 
 class ServingChat(OpenAIServing):
@@ -66,8 +66,7 @@ class ServingChat(OpenAIServing):
         streams = await self.open_streams([(ids, None)], params, lora, rid)
         fingerprint = self.fingerprint(lora)
         if req.stream:
-            return StreamingResponse(self._stream(req, streams, rid, model, fingerprint,
-                                                  len(ids)), media_type="text/event-stream")
+            return SSEResponse(self._stream(req, streams, rid, model, fingerprint, len(ids)))
         outs = await run_until_disconnect(request, self.collect(streams))
         if outs is None:
             return Response(status_code=499)
@@ -76,7 +75,8 @@ class ServingChat(OpenAIServing):
             comp = o.outputs[0]
             choice: dict[str, Any] = {
                 "index": i, "message": {"role": "assistant", "content": comp.text},
-                "logprobs": self._logprobs(o, req) if req.logprobs else None,
+                "logprobs": self._logprobs(comp.token_ids, comp.logprobs, req)
+                if req.logprobs else None,
                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = comp.token_ids
@@ -89,12 +89,13 @@ class ServingChat(OpenAIServing):
             body["prompt_token_ids"] = ids
         return JSONResponse(body)
 
-    def _logprobs(self, out: RequestOutput, req: ChatCompletionRequest) -> dict:
-        comp = out.outputs[0]
+    def _logprobs(self, token_ids: list[int], entries: list | None,
+                  req: ChatCompletionRequest) -> dict[str, list]:
+        """``logprobs`` of these tokens: one ``content`` entry each, with its top ones."""
         as_ids = req.return_tokens_as_token_ids
         k = req.top_logprobs or 0
         content = []
-        for tid, entry in zip(comp.token_ids, comp.logprobs or (), strict=True):
+        for tid, entry in zip(token_ids, entries or (), strict=True):
             tok = self.token_text(tid, as_ids)
             content.append({
                 "token": tok, "logprob": logprob_value(entry[tid]),
@@ -105,42 +106,42 @@ class ServingChat(OpenAIServing):
                     for x, lp in (self.top_entries(entry, k) if k else ())]})
         return {"content": content}
 
-    async def _stream(self, req: ChatCompletionRequest, streams: list, rid: str, model: str,
-                      fingerprint: str, prompt_len: int) -> AsyncIterator[str]:
-        created = self.now()
+    async def _stream(self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str,
+                      model: str, fingerprint: str, prompt_len: int) -> AsyncIterator[str]:
+        """The SSE events: each choice's role, then one per delta of each choice; the last
+        choice's last delta carries the usage event (if asked) and ``[DONE]`` with it."""
+        chunks = ChatChunks(rid, self.now(), model, fingerprint)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": model, "system_fingerprint": fingerprint}
+        want_ids = req.return_token_ids
         completion_tokens = 0
         cached = 0
+        left = len(streams)
         try:
-            for i in range(len(streams)):  # the role first, as OpenAI sends it
-                first = {"index": i, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}
-                yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
-            async for i, out in self.merged(streams):
-                comp = out.outputs[0]
-                raise_if_failed(out)
-                completion_tokens += len(comp.token_ids)
-                if i == 0 and out.num_cached_tokens:
-                    cached = out.num_cached_tokens
-                choice: dict[str, Any] = {
-                    "index": i, "delta": {"content": comp.text} if comp.text or not
-                    out.finished else {},
-                    "logprobs": self._logprobs(out, req) if req.logprobs else None,
-                    "finish_reason": comp.finish_reason}
-                if out.finished:
-                    choice["stop_reason"] = comp.stop_reason
-                    self.metrics.observe_finish(comp.finish_reason or "abort")
-                if req.return_token_ids:
-                    choice["token_ids"] = comp.token_ids
-                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-            if include_usage:
-                usage = self.usage(prompt_len, completion_tokens, cached)
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+            # The roles first, as OpenAI sends them.
+            yield "".join(chunks.role(i) for i in range(len(streams)))
+            async for i, d in self.merged(streams):
+                raise_if_delta_failed(streams[i], d)
+                completion_tokens += len(d.token_ids)
+                if i == 0 and d.num_cached_tokens:
+                    cached = d.num_cached_tokens
+                finished = d.finish_reason is not None
+                chunk = chunks.choice(
+                    i, d.text if d.text or not finished else None,
+                    self._logprobs(d.token_ids, d.logprobs, req) if req.logprobs else None,
+                    d.finish_reason, d.stop_reason, finished, d.token_ids if want_ids else None)
+                if finished:
+                    self.metrics.observe_finish(d.finish_reason or "abort")
+                    left -= 1
+                    if not left:  # the response's last event: the rest go with it
+                        if include_usage:
+                            chunk += chunks.usage(self.usage(prompt_len, completion_tokens,
+                                                             cached))
+                        chunk += DONE
+                yield chunk
+            if left:  # the streams ended without finishing (cannot happen; end the answer)
+                yield DONE
         except Exception as e:
-            yield f"data: {json.dumps(_stream_error(e))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield event(_stream_error(e)) + DONE
 
 
 __all__ = ["ServingChat"]

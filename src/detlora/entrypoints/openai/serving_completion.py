@@ -4,23 +4,24 @@ prompt i, as OpenAI numbers them."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
+from detlora.engine.async_llm import RequestStream
 from detlora.engine.outputs import RequestOutput
 from detlora.entrypoints.openai.errors import OpenAIError, bad_request
 from detlora.entrypoints.openai.protocol import CompletionRequest
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
     logprob_value,
-    raise_if_failed,
+    raise_if_delta_failed,
     random_id,
     run_until_disconnect,
 )
+from detlora.entrypoints.openai.sse import DONE, CompletionChunks, SSEResponse, event
 
 
 class ServingCompletion(OpenAIServing):
@@ -62,9 +63,7 @@ class ServingCompletion(OpenAIServing):
         streams = await self.open_streams(prompts, params, lora, rid)
         fingerprint = self.fingerprint(lora)
         if req.stream:
-            return StreamingResponse(
-                self._stream(req, streams, rid, model, fingerprint, prompts),
-                media_type="text/event-stream")
+            return SSEResponse(self._stream(req, streams, rid, model, fingerprint, prompts))
         outs = await run_until_disconnect(request, self.collect(streams))
         if outs is None:
             return Response(status_code=499)
@@ -76,28 +75,12 @@ class ServingCompletion(OpenAIServing):
                 "usage": self.usage(sum(len(ids) for ids, _ in prompts), completion, cached)}
         return JSONResponse(body)
 
-    def _logprobs(self, out: RequestOutput, req: CompletionRequest, text_offset: int) -> dict:
-        comp = out.outputs[0]
-        as_ids = req.return_tokens_as_token_ids
-        k = req.logprobs or 0
-        tokens, token_lps, tops, offsets = [], [], [], []
-        offset = text_offset
-        for tid, entry in zip(comp.token_ids, comp.logprobs or (), strict=True):
-            tok = self.token_text(tid, as_ids)
-            tokens.append(tok)
-            token_lps.append(logprob_value(entry[tid]))
-            tops.append({self.token_text(t, as_ids): lp for t, lp in self.top_entries(entry, k)}
-                        if k else None)
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
-
     def _choice(self, index: int, out: RequestOutput, req: CompletionRequest) -> dict:
         comp = out.outputs[0]
         choice: dict[str, Any] = {
             "index": index, "text": comp.text,
-            "logprobs": self._logprobs(out, req, 0) if req.logprobs is not None else None,
+            "logprobs": self._logprobs(comp.token_ids, comp.logprobs, req, 0)
+            if req.logprobs is not None else None,
             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = comp.token_ids
@@ -106,46 +89,65 @@ class ServingCompletion(OpenAIServing):
             choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
         return choice
 
-    async def _stream(self, req: CompletionRequest, streams: list, rid: str, model: str,
-                      fingerprint: str, prompts: list) -> AsyncIterator[str]:
-        created = self.now()
+    async def _stream(self, req: CompletionRequest, streams: list[RequestStream], rid: str,
+                      model: str, fingerprint: str,
+                      prompts: list[tuple[list[int], str | None]]) -> AsyncIterator[str]:
+        """The SSE events: one per delta of each choice; the last choice's last delta carries
+        the usage event (if asked) and ``[DONE]`` with it."""
+        chunks = CompletionChunks(rid, self.now(), model, fingerprint)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        want_logprobs = req.logprobs is not None
+        want_ids = req.return_token_ids
         completion_tokens = 0
         cached = 0
         offsets = [0] * len(streams)
         seen: set[int] = set()
+        left = len(streams)
         try:
-            async for i, out in self.merged(streams):
-                comp = out.outputs[0]
-                raise_if_failed(out)
-                completion_tokens += len(comp.token_ids)
+            async for i, d in self.merged(streams):
+                raise_if_delta_failed(streams[i], d)
+                completion_tokens += len(d.token_ids)
                 if i not in seen:  # a stream's first delta: completion 0 counts the cache
                     seen.add(i)
-                    cached += out.num_cached_tokens if i % req.n == 0 else 0
-                choice: dict[str, Any] = {
-                    "index": i, "text": comp.text,
-                    "logprobs": self._logprobs(out, req, offsets[i])
-                    if req.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason}
-                offsets[i] += len(comp.text)
-                if req.return_token_ids:
-                    choice["token_ids"] = comp.token_ids
-                if out.finished:
-                    self.metrics.observe_finish(comp.finish_reason or "abort")
-                chunk = {"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": [choice],
-                         "system_fingerprint": fingerprint}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            if include_usage:
-                chunk = {"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": [], "system_fingerprint": fingerprint,
-                         "usage": self.usage(sum(len(ids) for ids, _ in prompts),
-                                             completion_tokens, cached)}
-                yield f"data: {json.dumps(chunk)}\n\n"
+                    cached += d.num_cached_tokens if i % req.n == 0 else 0
+                text = d.text
+                lps = self._logprobs(d.token_ids, d.logprobs, req, offsets[i]) \
+                    if want_logprobs else None
+                chunk = chunks.choice(i, text, lps, d.finish_reason, d.stop_reason,
+                                      d.token_ids if want_ids else None)
+                offsets[i] += len(text)
+                if d.finish_reason is not None:
+                    self.metrics.observe_finish(d.finish_reason)
+                    left -= 1
+                    if not left:  # the response's last event: the rest go with it
+                        if include_usage:
+                            chunk += chunks.usage(self.usage(
+                                sum(len(ids) for ids, _ in prompts), completion_tokens, cached))
+                        chunk += DONE
+                yield chunk
+            if left:  # the streams ended without finishing (cannot happen; end the answer)
+                yield DONE
         except Exception as e:  # the engine died or failed the request: tell the client
-            yield f"data: {json.dumps(_stream_error(e))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield event(_stream_error(e)) + DONE
+
+    def _logprobs(self, token_ids: list[int], entries: list | None, req: CompletionRequest,
+                  text_offset: int) -> dict[str, list]:
+        """``logprobs`` of these tokens (their text, logprobs, top ones, text offsets)."""
+        as_ids = req.return_tokens_as_token_ids
+        k = req.logprobs or 0
+        token_text = self.token_text
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = text_offset
+        for tid, entry in zip(token_ids, entries or (), strict=True):
+            tok = token_text(tid, as_ids)
+            tokens.append(tok)
+            token_lps.append(logprob_value(entry[tid]))
+            tops.append({token_text(t, as_ids): lp for t, lp in self.top_entries(entry, k)}
+                        if k else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 def _prompt_logprobs(entries: list | None) -> list | None:

@@ -25,6 +25,7 @@ from detlora.engine.async_llm import (
     EngineDeadError,
     EngineOverloadedError,
     RequestStream,
+    StreamDelta,
 )
 from detlora.engine.outputs import RequestOutput
 from detlora.entrypoints.openai.errors import OpenAIError, bad_request, overloaded
@@ -206,20 +207,20 @@ class OpenAIServing:
         return merge_outputs(parts)
 
     @staticmethod
-    async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
         """The deltas of several streams as they come: (stream index, delta)."""
         if len(streams) == 1:
-            async with contextlib.aclosing(streams[0].__aiter__()) as it:
-                async for out in it:
-                    yield 0, out
+            async with contextlib.aclosing(streams[0].deltas()) as it:
+                async for delta in it:
+                    yield 0, delta
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
-                async with contextlib.aclosing(stream.__aiter__()) as it:
-                    async for out in it:
-                        queue.put_nowait((i, out))
+                async with contextlib.aclosing(stream.deltas()) as it:
+                    async for delta in it:
+                        queue.put_nowait((i, delta))
                 queue.put_nowait((i, None))
             except BaseException as e:  # reported to the consumer, which ends the others
                 queue.put_nowait((i, e))
@@ -280,6 +281,13 @@ def raise_if_failed(out: RequestOutput) -> None:
         raise OpenAIError(500, ROW_FAILED, code="row_failed")
 
 
+def raise_if_delta_failed(stream: RequestStream, delta: StreamDelta) -> None:
+    """``raise_if_failed`` for a streamed delta."""
+    if delta.finish_reason == "error":
+        logger.warning("request %s failed: %s", stream.request_id, delta.error)
+        raise OpenAIError(500, ROW_FAILED, code="row_failed")
+
+
 def logprob_value(value: Any) -> float:
     """A logprobs entry's value as a float (a float, or an object with ``.logprob``)."""
     return value if isinstance(value, float) else float(value.logprob)
@@ -325,5 +333,5 @@ async def run_until_disconnect(request: Request, coro: Any) -> Any:
     return None
 
 
-__all__ = ["ROW_FAILED", "OpenAIServing", "logprob_value", "merge_outputs", "raise_if_failed",
-           "random_id", "run_until_disconnect"]
+__all__ = ["ROW_FAILED", "OpenAIServing", "logprob_value", "merge_outputs",
+           "raise_if_delta_failed", "raise_if_failed", "random_id", "run_until_disconnect"]
