@@ -31,7 +31,7 @@ are medians over the timed steps, in microseconds.
 
     PYTHONPATH=src python -m benchmarks.experiments.engine_host_step OUT.json \
         [--seqs 64] [--steps 150] [--paths offline,step_delta,serving] [--breakdown] \
-        [--profile] [--no-lora]
+        [--profile] [--no-lora] [--max-loras 2]
 """
 
 from __future__ import annotations
@@ -169,12 +169,12 @@ def stub_decode_graphs(engine: Any, seed: int = 0) -> None:
     engine.run_ahead = True
 
 
-def build_engine(model_dir: Path, seqs: int, lora: bool) -> Any:
+def build_engine(model_dir: Path, seqs: int, lora: bool, max_loras: int = 2) -> Any:
     from detlora.engine.llm_engine import LLMEngine
     from detlora.engine_args import EngineArgs
 
     args = EngineArgs(model=str(model_dir), device="cpu", determinism="batch_invariant",
-                      max_num_seqs=seqs, max_model_len=512, enable_lora=lora, max_loras=2,
+                      max_num_seqs=seqs, max_model_len=512, enable_lora=lora, max_loras=max_loras,
                       max_lora_rank=8)
     engine = LLMEngine(args)
     stub_decode_graphs(engine)
@@ -221,12 +221,13 @@ def _profile_rows(prof: cProfile.Profile, key: str, steps: int) -> list[str]:
 # ---- offline: LLMEngine.step() ----
 
 def run_offline(model_dir: Path, adapters: list[Path] | None, seqs: int, steps: int,
-                profile: bool, breakdown: bool = False, delta: bool = False) -> dict[str, Any]:
+                profile: bool, breakdown: bool = False, delta: bool = False,
+                max_loras: int = 2) -> dict[str, Any]:
     """``LLMEngine.step()``: FINAL_ONLY requests (``LLM.generate``), or with ``delta`` DELTA
     ones (an output per request and step, as a caller streaming from the engine gets)."""
     from detlora.config import RequestOutputKind
 
-    engine = build_engine(model_dir, seqs, adapters is not None)
+    engine = build_engine(model_dir, seqs, adapters is not None, max_loras)
     passes = 2 if profile or breakdown else 1
     if passes * steps + WARMUP_STEPS + 4 > MAX_TOKENS:
         raise ValueError(f"--steps {steps}: every sequence must decode in every step")
@@ -312,11 +313,11 @@ class _StampedSend:
 
 
 def run_serving(model_dir: Path, adapters: list[Path] | None, seqs: int, steps: int,
-                profile: bool) -> dict[str, Any]:
+                profile: bool, max_loras: int = 2) -> dict[str, Any]:
     from detlora.config import RequestOutputKind
     from detlora.engine.core_proc import EngineCore
 
-    engine = build_engine(model_dir, seqs, adapters is not None)
+    engine = build_engine(model_dir, seqs, adapters is not None, max_loras)
     total = steps + 2 * WARMUP_STEPS
     if total + 4 > MAX_TOKENS:
         raise ValueError(f"--steps {steps}: every sequence must decode in every step")
@@ -365,6 +366,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--paths", default="offline,step_delta,serving")
     ap.add_argument("--profile", action="store_true", help="add a cProfile pass")
     ap.add_argument("--no-lora", action="store_true", help="base model only, no adapters")
+    ap.add_argument("--max-loras", type=int, default=2,
+                    help="adapter slots (two adapters are in use whatever the slots)")
     ap.add_argument("--breakdown", action="store_true",
                     help="offline: a second pass timing a few engine functions")
     args = ap.parse_args(argv)
@@ -378,7 +381,8 @@ def main(argv: list[str]) -> None:
         for path in args.paths.split(","):
             run = {"offline": run_offline, "step_delta": run_offline,
                    "serving": run_serving}[path]
-            kw: dict[str, bool] = {"delta": True} if path == "step_delta" else {}
+            kw: dict[str, Any] = {"delta": True} if path == "step_delta" else {}
+            kw["max_loras"] = args.max_loras
             if args.breakdown and path == "offline":
                 kw["breakdown"] = True
             rows[path] = run(model_dir, adapters, args.seqs, args.steps, False, **kw)
@@ -389,6 +393,7 @@ def main(argv: list[str]) -> None:
             print(path, json.dumps({k: v for k, v in rows[path].items()
                                     if k != "profile"}), flush=True)
     meta = {"seqs": args.seqs, "steps": args.steps, "lora": not args.no_lora,
+            "max_loras": args.max_loras,
             "torch_threads": 1, "python": sys.version.split()[0], "torch": torch.__version__}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
