@@ -33,14 +33,14 @@ def test_unknown_reduction_is_a_clear_error():
 
 
 def test_expand_tiles_narrow_at_decode_and_keep_block_r_per_rank():
-    from detlora.ops.lora_configs import DECODE_ROWS, expand_config
+    from detlora.ops.lora_configs import EXPAND_SMALL_TILE_ROWS, expand_config
 
-    decode = expand_config(DECODE_ROWS, 16, 3072)
-    prefill = expand_config(DECODE_ROWS + 1, 16, 3072)
+    decode = expand_config(EXPAND_SMALL_TILE_ROWS, 16, 3072)
+    prefill = expand_config(EXPAND_SMALL_TILE_ROWS + 1, 16, 3072)
     assert (decode.block_m, decode.block_n) == (16, 128)
     assert (prefill.block_m, prefill.block_n) == (64, 128)
     assert (expand_config(1, 16, 3072).block_m, expand_config(1, 16, 48).block_n) == (16, 64)
     short = expand_config(16, 16, 3072)  # up to 16 rows: narrower columns, more programs
     assert (short.block_m, short.block_n) == (16, 64)
     for rank in (1, 16, 24, 64, 128):  # the rank step: a function of the rank alone
-        assert len({expand_config(m, rank, 3072).block_r for m in (1, 16, 64, 65, 4096)}) == 1
+        assert len({expand_config(m, rank, 3072).block_r for m in (1, 16, 64, 129, 4096)}) == 1

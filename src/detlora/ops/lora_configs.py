@@ -180,9 +180,10 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
                         group_chunks=BI_GROUP_CHUNKS, cta_covers=covers)
 
 
-# Up to this many rows (decode) the expand takes narrower tiles: more CTAs for few rows
-# (32 x 64, and 16 x 64 up to 16 rows; see docs/decisions.md, "Expand tiles").
-DECODE_ROWS = 64
+# Up to this many rows the expands take 16-row tiles (16 x 64 up to 16 rows, else 16 x 128): a
+# batch spread over many adapters leaves each group a few rows, which larger tiles would compute
+# mostly empty (docs/decisions.md, "Expand tiles for spread batches").
+EXPAND_SMALL_TILE_ROWS = 128
 
 
 # Programs along the expand's row-tile axis beyond the batch's own row tiles, at most: where
@@ -192,10 +193,10 @@ EXPAND_GROUP_CAP = 16
 
 
 def expand_block_m(num_rows: int) -> int:
-    """The expands' row tile for M rows: 16 at decode (a batch spread over many adapters
-    leaves each group a few rows), else the shrink's. ``AdapterGroups`` numbers its row
-    tiles for it."""
-    return 16 if num_rows <= DECODE_ROWS else _block_m(num_rows)
+    """The expands' row tile for M rows: 16 up to ``EXPAND_SMALL_TILE_ROWS`` (a batch spread
+    over many adapters leaves each group a few rows), else the shrink's. ``AdapterGroups``
+    numbers its row tiles for it."""
+    return 16 if num_rows <= EXPAND_SMALL_TILE_ROWS else _block_m(num_rows)
 
 
 def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
@@ -203,11 +204,9 @@ def expand_config(num_rows: int, rank: int, max_width: int) -> ExpandConfig:
     bits (tests/gpu proves rows equal at every M); the group cap never changes them either."""
     block_r = min(max(16, next_power_of_2(rank)), 64)
     bm = expand_block_m(num_rows)
-    cap = 128
-    if num_rows <= DECODE_ROWS:
-        # Decode: 64 columns up to 16 rows (more programs for a short batch), else 128
-        # (fewer, fuller programs: docs/decisions.md, "Expand tiles for spread batches").
-        cap = 64 if num_rows <= 16 else 128
+    # 64 columns up to 16 rows (more programs for a short batch), else 128 (fewer, fuller
+    # programs: docs/decisions.md, "Expand tiles for spread batches").
+    cap = 64 if num_rows <= 16 else 128
     bn = cap if max_width >= cap else _block_n(max_width, cap)
     return ExpandConfig(block_m=bm, block_n=bn, block_r=block_r, num_warps=4, num_stages=2,
                         group_cap=EXPAND_GROUP_CAP)
