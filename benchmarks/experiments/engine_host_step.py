@@ -162,9 +162,9 @@ def stub_decode_graphs(engine: Any, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, engine.spec.vocab_size, generator=g).to(engine.dtype)
     head = engine.sampler.greedy_head(logits)
-    for b in graphs.buckets:
-        graphs.graphs[b] = _NoReplay()
-        graphs.outputs[b] = (logits[:b], head[:b])
+    for key in graphs.graph_keys():
+        graphs.graphs[key] = _NoReplay()
+        graphs.outputs[key] = (logits[:key[0]], head[:key[0]])
     runner.graphs = graphs
     engine.run_ahead = True
 

@@ -381,9 +381,9 @@ def _slot_row(llm: Any, name: str, level: str, ml: int, b: int, prompts: list[li
     t1, tn = statistics.median(times[1]), statistics.median(times[plan.output_len])
     replay = None
     graphs = llm.engine.runner.graphs
-    if graphs is not None and graphs.bucket_for(b) in graphs.graphs:
-        # The last staged step is a decode of these b rows with the adapter: replay it.
-        replay = round(event_us(graphs.graphs[graphs.bucket_for(b)].replay), 1)
+    if graphs is not None and graphs.last_replayed is not None:
+        # The last step was a decode of these b rows with the adapter: replay its graph.
+        replay = round(event_us(graphs.graphs[graphs.last_replayed].replay), 1)
     return {"model": name, "max_loras": ml, "batch": b, "level": level,
             "tpot_ms": round(1e3 * (tn - t1) / (plan.output_len - 1), 4), "replay_us": replay,
             "trials_1_token_s": [round(t, 5) for t in times[1]],

@@ -263,9 +263,9 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
             row: dict[str, Any] = {"mode": mode, "batch": b, "total_ms": round(total * 1e3, 2),
                                    "steps": clock.calls["model"], "phases_ms": phases}
             graphs = eng.runner.graphs
-            bucket = graphs.bucket_for(b) if graphs is not None else None
-            if bucket is not None and bucket in graphs.graphs:
-                g = graphs.graphs[bucket]
+            key = graphs.last_replayed if graphs is not None else None
+            if key is not None and key[0] == graphs.bucket_for(b):  # the run's last decode
+                g = graphs.graphs[key]
                 row["replay_us"] = round(event_us(g.replay), 1)
                 row["kernels"] = kernel_table(g.replay)
                 row["timeline"] = stream_timeline(g.replay)

@@ -17,6 +17,7 @@ import torch
 from tests.helpers.bf16_llama import write_bf16_llama
 
 from detlora.config import SamplingParams
+from detlora.engine.runner.decode_graphs import NARROW_GROUPS
 from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
@@ -128,6 +129,8 @@ def test_sixty_three_residents_and_any_max_loras(assets):
     many.generate(prompts[:63], SP, others, use_tqdm=False)
     outs = many.generate(prompts[:4], SP, [target] * 4, use_tqdm=False)
     assert len(many.engine.lora_manager.resident()) == 64
+    # The last decode steps had one adapter: they replayed the narrow graphs.
+    assert many.engine.runner.graphs.last_replayed == (4, NARROW_GROUPS)
     assert all(_same(a, b) for a, b in zip(outs, ref, strict=True))
     assert [o.fingerprint for o in outs] == [o.fingerprint for o in ref]
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from detlora.engine.runner.decode_graphs import DecodeGraphs
+from detlora.engine.runner.decode_graphs import NARROW_GROUPS, DecodeGraphs
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.ops.adapter_groups import group_tokens
 
@@ -68,3 +68,30 @@ def test_fed_rows_read_the_tokens_the_previous_step_left_on_the_device():
     assert g._batch(4).input_ids.tolist() == [52, 7, 50, 0]
     g.stage(_step([[1], [2]], [-1] * 2), 2)  # an ordinary step: no row is fed
     assert g._batch(2).input_ids.tolist() == [100, 101]
+
+
+def test_many_slots_add_a_narrow_graph_per_bucket_that_holds_more_groups():
+    assert all(groups is None for _, groups in _graphs(num_adapters=8).graph_keys())
+    g = _graphs(num_adapters=16)
+    keys = g.graph_keys()
+    assert [b for b, groups in keys if groups is None] == g.buckets
+    assert [b for b, groups in keys if groups == NARROW_GROUPS] == [b for b in g.buckets
+                                                                    if b > NARROW_GROUPS]
+
+
+def test_a_step_on_few_adapters_replays_the_narrow_graph_with_its_groups_first():
+    g = _graphs(num_adapters=16)
+    g.graphs = dict.fromkeys(g.graph_keys())  # as captured (capture needs CUDA)
+    one = _step([[1]] * 5, [9] * 5)
+    assert g.stage(one, 8) == 2  # adapter 9 and the padding rows' "none"
+    assert g.key_for(8, 2) == (8, NARROW_GROUPS)
+    narrow = g._batch(8, NARROW_GROUPS).lora.groups
+    full = g._batch(8).lora.groups
+    assert narrow.num_groups == NARROW_GROUPS and full.num_groups == 8
+    assert torch.equal(narrow.group_size, full.group_size[:NARROW_GROUPS])
+    assert sorted(narrow.group_adapter.tolist()) == [-1, 9]
+    assert narrow.row_tiles.tolist() == full.row_tiles[: narrow.row_tiles.shape[0]].tolist()
+    assert g.stage(_step([[1]] * 4, [9, 4, 9, 4]), 4) == 2  # no padding: two adapters
+    assert g.stage(_step([[1]] * 3, [9, 4, 9]), 4) == 3  # and the padding row's "none"
+    assert g.key_for(4, 3) == (4, None)
+    assert g.key_for(1, 1) == (1, None)  # a bucket of one row has no narrow graph

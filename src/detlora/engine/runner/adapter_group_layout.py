@@ -33,9 +33,13 @@ class AdapterGroupLayout:
     num_adapters: int  # adapter slots
     row_tiles_at: int  # row_tile_room(max rows, num_adapters) entries
 
-    def views(self, i32: torch.Tensor, rows: int) -> AdapterGroups:
-        """The groups of a ``rows``-row graph, as views of the device buffer ``i32``."""
+    def views(self, i32: torch.Tensor, rows: int, groups: int | None = None) -> AdapterGroups:
+        """The groups of a ``rows``-row graph, as views of the device buffer ``i32``; with
+        ``groups``, only the first that many (staging puts the groups with rows first, so
+        such a graph serves the steps whose rows use no more groups)."""
         g, lo, gmax = min(rows, self.num_adapters + 1), self.groups_at, self.max_groups
+        if groups is not None:
+            g = min(g, groups)
         bm = expand_block_m(rows)
         tiles = self.row_tiles_at
         return AdapterGroups(
@@ -49,9 +53,9 @@ class AdapterGroupLayout:
             row_block=bm,
         )
 
-    def stage(self, h32: np.ndarray, token_adapter: list[int]) -> None:
+    def stage(self, h32: np.ndarray, token_adapter: list[int]) -> int:
         """Write the groups of ``token_adapter`` (one slot per row, -1: none, padding
-        included) into the host twin ``h32``."""
+        included) into the host twin ``h32``; returns how many groups have rows."""
         rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
         n = len(token_adapter)
         h32[self.token_adapter_at: self.token_adapter_at + n] = token_adapter
@@ -61,6 +65,7 @@ class AdapterGroupLayout:
             h32[lo: lo + len(values)] = values
         tiles = row_tile_table_host(size, n, expand_block_m(n))
         h32[self.row_tiles_at: self.row_tiles_at + len(tiles)] = tiles
+        return len(size) - size.count(0)
 
 
 __all__ = ["AdapterGroupLayout"]

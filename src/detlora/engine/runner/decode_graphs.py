@@ -12,6 +12,13 @@ sync on the device), so they are computed on the host from the step's adapter sl
 copied with the other inputs: one int64, one int32 and one block-table copy per step, from
 pinned host buffers.
 
+The LoRA kernels launch programs for every adapter group a step could have (one per slot, and
+the rows without an adapter): with many slots and few of them in a step, most programs find
+no work, and they still cost time. With more than ``NARROW_FROM_SLOTS`` slots each bucket gets
+a second graph launched for ``NARROW_GROUPS`` groups (its views take the first groups only;
+the groups with rows come first), which a step replays when its rows use no more; where a
+program computes a group never changes its bits.
+
 A step launched before the previous one was read (the engine runs one step ahead) does not
 know its input tokens yet: a negative input id ``-1 - r`` means "the token sampled for row r
 of the previous step", which the engine leaves in ``feed`` on the device. The graph gathers
@@ -31,6 +38,11 @@ from detlora.engine.runner.graph_capture import Forward, capture_bucket
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import row_tile_room
+
+# With more adapter slots than this, every bucket also gets a graph launched for
+# ``NARROW_GROUPS`` adapter groups: one adapter, with or without rows that use none.
+NARROW_FROM_SLOTS = 8
+NARROW_GROUPS = 2
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -95,11 +107,23 @@ class DecodeGraphs:
             token_adapter_at=n, sorted_rows_at=2 * n, groups_at=3 * n,
             max_groups=self.max_groups, num_adapters=num_adapters,
             row_tiles_at=3 * n + 3 * self.max_groups)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Graphs and outputs by (bucket, groups launched: None = every group the bucket can
+        # have).
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int | None], tuple[torch.Tensor, ...]] = {}
         self.pool: object | None = None  # the graphs' memory pool, once captured
+        self.last_replayed: tuple[int, int | None] | None = None  # the last run's graph
 
-    def _batch(self, b: int) -> ForwardBatch:
+    def graph_keys(self) -> list[tuple[int, int | None]]:
+        """(bucket, groups) of every graph to capture: each bucket's, and its narrow one
+        where the bucket can hold more than ``NARROW_GROUPS`` groups of many slots."""
+        keys: list[tuple[int, int | None]] = [(b, None) for b in self.buckets]
+        if self.num_adapters is not None and self.num_adapters > NARROW_FROM_SLOTS:
+            keys += [(b, NARROW_GROUPS) for b in self.buckets
+                     if min(b, self.num_adapters + 1) > NARROW_GROUPS]
+        return keys
+
+    def _batch(self, b: int, groups: int | None = None) -> ForwardBatch:
         # Inside the graph: each row's input id, staged or fed by the previous step.
         input_ids = self._id_pool.index_select(0, self.id_index[:b])
         attn = AttentionMetadata(
@@ -112,22 +136,23 @@ class DecodeGraphs:
         )
         lora = None
         if self.group_layout is not None:
-            lora = LoRABatch(self.group_layout.views(self._i32, b))
+            lora = LoRABatch(self.group_layout.views(self._i32, b, groups))
         return ForwardBatch(input_ids, self.positions[:b], attn,
                             self.logits_indices[:b], lora)
 
     def capture(self, captured: Callable[[], object] | None = None) -> None:
-        """Capture every bucket, largest first, sharing one memory pool; ``captured`` is
-        called after each (a progress bar's tick)."""
+        """Capture every graph of ``graph_keys``, largest bucket first, sharing one memory
+        pool; ``captured`` is called after each (a progress bar's tick)."""
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for b in reversed(self.buckets):
+        for key in sorted(self.graph_keys(), key=lambda k: (-k[0], k[1] or 0)):
+            b, groups = key
             if self.group_layout is not None:  # every row without an adapter
                 self.group_layout.stage(self._h32.numpy(), [-1] * b)
                 self._i32.copy_(self._h32)
-            self.graphs[b], self.outputs[b] = capture_bucket(
-                self.forward, lambda b=b: self._batch(b), pool=pool, stream=stream,
-                device=self.device)
+            self.graphs[key], self.outputs[key] = capture_bucket(
+                self.forward, lambda b=b, groups=groups: self._batch(b, groups), pool=pool,
+                stream=stream, device=self.device)
             if captured is not None:
                 captured()
         torch.cuda.synchronize(self.device)
@@ -156,14 +181,22 @@ class DecodeGraphs:
         """Replay the decode graph for ``step`` (every sequence one token); the forward's
         outputs (row-major: one row per sequence), cut to the step's rows."""
         bucket = self.bucket_for(step.num_seqs)
-        if bucket is None or bucket not in self.graphs:
+        if bucket is None or (bucket, None) not in self.graphs:
             raise ValueError(f"no decode graph for {step.num_seqs} sequences")
-        self.stage(step, bucket)
-        self.graphs[bucket].replay()
-        return tuple(t[: step.num_seqs] for t in self.outputs[bucket])
+        key = self.last_replayed = self.key_for(bucket, self.stage(step, bucket))
+        self.graphs[key].replay()
+        return tuple(t[: step.num_seqs] for t in self.outputs[key])
 
-    def stage(self, step: StepInputs, bucket: int) -> None:
-        """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers."""
+    def key_for(self, bucket: int, used_groups: int) -> tuple[int, int | None]:
+        """The graph a step of ``bucket`` whose rows use ``used_groups`` adapter groups
+        replays: the bucket's narrow one where it has one and they fit, else its own."""
+        narrow = (bucket, NARROW_GROUPS)
+        return narrow if used_groups <= NARROW_GROUPS and narrow in self.graphs else (bucket,
+                                                                                     None)
+
+    def stage(self, step: StepInputs, bucket: int) -> int:
+        """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers; returns
+        how many adapter groups have rows (0 without LoRA)."""
         b = step.num_seqs
         self._fence.wait()
         pad = bucket - b
@@ -181,11 +214,13 @@ class DecodeGraphs:
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row
         tables[b:bucket, 0] = 0  # padding rows: a one-token context on page 0
+        used = 0
         if self.group_layout is not None:
-            self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
+            used = self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
         self._staged64[:, :bucket].copy_(self._h64[:, :bucket], non_blocking=True)
         self._i32.copy_(self._h32, non_blocking=True)
         self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],
                                                  non_blocking=True)
         if self.device.type == "cuda":
             self._fence.record()
+        return used

@@ -111,7 +111,8 @@ class ModelRunner:
     def _capture(self, max_num_seqs: int, max_num_batched_tokens: int, *,
                  progress: bool = False) -> None:
         graphs, step_graphs = self.build_graphs(max_num_seqs, max_num_batched_tokens)
-        total = len(graphs.buckets) + (len(step_graphs.buckets) if step_graphs is not None else 0)
+        steps = len(step_graphs.buckets) if step_graphs is not None else 0
+        total = len(graphs.graph_keys()) + steps
         try:
             with torch.inference_mode(), gc_paused(), \
                     capture_progress(total, enabled=progress) as bar:
