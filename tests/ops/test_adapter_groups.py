@@ -107,7 +107,7 @@ def test_row_tiles_number_each_groups_tiles_in_group_order(ids, num_adapters, bl
 
 
 def test_groups_carry_the_row_tiles_of_the_expands_row_block():
-    for m, bm in ((1, 16), (64, 16), (128, 16), (129, 64), (300, 64)):
+    for m, bm in ((1, 16), (64, 16), (300, 16), (2048, 16), (2049, 64), (4096, 64)):
         g = group_tokens(torch.zeros(m, dtype=torch.int32), 8)
         assert g.row_block == bm
         assert g.row_tiles.tolist()[: -(-m // bm)] == list(range(-(-m // bm)))

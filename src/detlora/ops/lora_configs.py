@@ -182,8 +182,9 @@ def _ordered_bi_config(num_rows: int, hidden: int, n: int) -> ShrinkConfig:
 
 # Up to this many rows the expands take 16-row tiles (16 x 64 up to 16 rows, else 16 x 128): a
 # batch spread over many adapters leaves each group a few rows, which larger tiles would compute
-# mostly empty (docs/decisions.md, "Expand tiles for spread batches").
-EXPAND_SMALL_TILE_ROWS = 128
+# mostly empty, and the SwiGLU expand is faster in 16-row tiles on one adapter too (the rows
+# measured: docs/decisions.md, "Expand tiles for spread batches").
+EXPAND_SMALL_TILE_ROWS = 2048
 
 
 # Programs along the expand's row-tile axis beyond the batch's own row tiles, at most: where
