@@ -27,7 +27,7 @@ larger deltas and never slows the engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import copy
 import itertools
 import os
 import pickle
@@ -379,26 +379,49 @@ class AsyncLLM:
         prompt: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it."""
+        stream = self.submit(request_id, prompt_token_ids, params, lora=lora,
+                             sample_index=sample_index, label_token_ids=label_token_ids,
+                             prompt=prompt)
+        await self.wait_accepted(stream)
+        return stream
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        lora: LoRARequest | None = None,
+        sample_index: int = 0,
+        label_token_ids: Sequence[int] | None = None,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """``add_request`` without the wait: queue the request now and return its stream;
+        ``wait_accepted`` then waits for the engine's answer. A caller adding several requests
+        submits them all, then waits, without a task per request."""
         self.check_capacity(1)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         detokenize = params.detokenize
         if params.output_kind is not RequestOutputKind.DELTA or params.detokenize:
             # The engine reports deltas of ids; text is made here, where the tokenizer is.
-            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA,
-                                         detokenize=False)
+            params = _engine_params(params)
         req = AddRequest(request_id, list(prompt_token_ids), params, lora, sample_index,
                          None if label_token_ids is None else tuple(label_token_ids))
         stream = RequestStream(self, req, prompt, self.on_delta, detokenize)
         self._streams[request_id] = stream
         self._num_unfinished += 1
         self._send(("add", req))
+        return stream
+
+    async def wait_accepted(self, stream: RequestStream) -> None:
+        """Wait until the engine accepted ``stream``'s request (ValueError with its reason
+        when it refused it; the request is forgotten on any error)."""
         try:
             await stream.accepted
         except BaseException:
             self._forget(stream)
             raise
-        return stream
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -547,6 +570,16 @@ class _MessageReader(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_closed()
+
+
+def _engine_params(params: SamplingParams) -> SamplingParams:
+    """``params`` as the engine process takes them: DELTA outputs of ids, no text. A copy
+    with two fields set, not ``dataclasses.replace``: ``params`` passed its checks when it
+    was made, and these two values pass them too, so they are not run again."""
+    engine = copy.copy(params)
+    object.__setattr__(engine, "output_kind", RequestOutputKind.DELTA)
+    object.__setattr__(engine, "detokenize", False)
+    return engine
 
 
 def _recv_or_none(conn: Any) -> Any:

@@ -16,6 +16,7 @@ from detlora.entrypoints.openai.errors import OpenAIError, bad_request
 from detlora.entrypoints.openai.protocol import CompletionRequest
 from detlora.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    all_plain_ints,
     logprob_value,
     raise_if_delta_failed,
     random_id,
@@ -29,7 +30,7 @@ class ServingCompletion(OpenAIServing):
         p = req.prompt
         if isinstance(p, str):
             items: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
+        elif p and (all_plain_ints(p) or all(isinstance(x, int) for x in p)):
             items = [list(p)]
         else:
             items = list(p)

@@ -68,7 +68,9 @@ class OpenAIServing:
         if len(ids) > limit:
             raise bad_request(f"{where} has {len(ids)} tokens; this server takes at most "
                               f"{limit}", "prompt")
-        for t in ids:
+        if all_plain_ints(ids) and min(ids) >= 0 and max(ids) < self.vocab_size:
+            return
+        for t in ids:  # the first one that is wrong, for the message
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise bad_request(f"{where}: token id {t!r} is outside the vocabulary "
                                   f"[0, {self.vocab_size})", "prompt")
@@ -160,21 +162,20 @@ class OpenAIServing:
             raise overloaded(str(e)) from None
         except EngineDeadError:
             raise OpenAIError(503, "the engine is not running") from None
-        later = dataclasses.replace(params, prompt_logprobs=None)
+        later = params if params.prompt_logprobs is None or params.n == 1 \
+            else dataclasses.replace(params, prompt_logprobs=None)
         streams: list[RequestStream] = []
         try:
-            coros = []
+            # All of them queued at once (one message each), then their answers awaited: no
+            # task per engine request.
             for p, (ids, text) in enumerate(prompts):
                 labels = None if label_token_ids is None else label_token_ids[p]
                 for i in range(params.n):
-                    coros.append(self.llm.add_request(
+                    streams.append(self.llm.submit(
                         f"{request_id}-{p}-{i}", ids, params if i == 0 else later, lora=lora,
                         sample_index=i, label_token_ids=labels, prompt=text))
-            results = await asyncio.gather(*coros, return_exceptions=True)
-            streams = [r for r in results if isinstance(r, RequestStream)]
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
+            for stream in streams:
+                await self.llm.wait_accepted(stream)
         except ValueError as e:
             await self._abort_all(streams)
             raise bad_request(str(e)) from None
@@ -288,6 +289,12 @@ def raise_if_delta_failed(stream: RequestStream, delta: StreamDelta) -> None:
         raise OpenAIError(500, ROW_FAILED, code="row_failed")
 
 
+def all_plain_ints(items: Sequence[Any]) -> bool:
+    """Whether every item is an ``int`` itself (not a bool or another subclass), checked in
+    C rather than by a Python loop over a prompt's ids."""
+    return set(map(type, items)) == {int}
+
+
 def logprob_value(value: Any) -> float:
     """A logprobs entry's value as a float (a float, or an object with ``.logprob``)."""
     return value if isinstance(value, float) else float(value.logprob)
@@ -333,5 +340,5 @@ async def run_until_disconnect(request: Request, coro: Any) -> Any:
     return None
 
 
-__all__ = ["ROW_FAILED", "OpenAIServing", "logprob_value", "merge_outputs",
+__all__ = ["ROW_FAILED", "OpenAIServing", "all_plain_ints", "logprob_value", "merge_outputs",
            "raise_if_delta_failed", "raise_if_failed", "random_id", "run_until_disconnect"]
