@@ -12,6 +12,7 @@ with the chunk that carries ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterable
 from typing import Any
@@ -111,15 +112,45 @@ class SSEResponse(StreamingResponse):
     response, and skipping their wrappers saves a few coroutine calls per chunk. The chunk
     that ends in ``DONE`` also ends the body (``more_body`` false), so the response does not
     need one more write for its end.
+
+    A client that goes away mid-stream stops the stream, as Starlette's ``StreamingResponse``
+    does, but watched by one plain task that cancels the streaming one, instead of an AnyIO
+    task group of two tasks (cheaper per response).
     """
 
     def __init__(self, content: AsyncIterable[str]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self._raw_send: Send | None = None
+        self._streaming = False  # the stream is being written (the watcher may stop it)
+        self._disconnected = False  # the watcher saw the client go and stopped the stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._raw_send = scope.get(RAW_SEND)
-        await super().__call__(scope, receive, send)
+        task = asyncio.current_task()
+        assert task is not None
+        self._streaming = True
+        watcher = asyncio.get_running_loop().create_task(self._stop_on_disconnect(receive, task))
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            # The watcher's cancellation ends the response quietly; any other goes on.
+            uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+            if not self._disconnected or (uncancel is not None and uncancel() > 0):
+                raise
+        finally:
+            self._streaming = False
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
+
+    async def _stop_on_disconnect(self, receive: Receive, task: asyncio.Task) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if self._streaming:
+            self._disconnected = True
+            task.cancel()
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
