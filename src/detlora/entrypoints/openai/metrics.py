@@ -79,6 +79,9 @@ class ServerMetrics:
                                         "end's event loop handling them (long when the loop "
                                         "is busy)",
                                         buckets=_STEP_BUCKETS, registry=r)
+        # Labelled children by their labels: ``labels()`` looks them up under a lock per call.
+        self._finished_by_reason: dict[str, Counter] = {}
+        self._responses: dict[tuple[str, int], Counter] = {}
         r.register(_EngineIdle(llm))
         self.running = Gauge("detlora:num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("detlora:num_requests_waiting", "Sequences waiting", registry=r)
@@ -119,7 +122,19 @@ class ServerMetrics:
         times.inter_token.clear()
 
     def observe_finish(self, reason: str) -> None:
-        self.finished.labels(finished_reason=reason).inc()
+        counter = self._finished_by_reason.get(reason)
+        if counter is None:
+            counter = self._finished_by_reason[reason] = self.finished.labels(
+                finished_reason=reason)
+        counter.inc()
+
+    def count_response(self, route: str, status: int) -> None:
+        """One more HTTP response of ``route`` with ``status``."""
+        counter = self._responses.get((route, status))
+        if counter is None:
+            counter = self._responses[route, status] = self.http_requests.labels(
+                route=route, status=str(status))
+        counter.inc()
 
     def render(self) -> bytes:
         stats = self.llm.stats
