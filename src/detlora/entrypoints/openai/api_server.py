@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from detlora.engine.async_llm import AsyncLLM
 from detlora.engine_args import EngineArgs
-from detlora.entrypoints.openai.errors import OpenAIError, bad_request
+from detlora.entrypoints.openai.direct_routes import DirectRoute, DirectRoutes
+from detlora.entrypoints.openai.errors import OpenAIError, internal_error
 from detlora.entrypoints.openai.metrics import ServerMetrics
 from detlora.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -37,7 +36,8 @@ from detlora.entrypoints.openai.protocol import (
     SystemOneRequest,
     UnloadLoRAAdapterRequest,
 )
-from detlora.entrypoints.openai.security import BodyTooLarge, GuardMiddleware, too_large
+from detlora.entrypoints.openai.request_body import read_body
+from detlora.entrypoints.openai.security import GuardMiddleware
 from detlora.entrypoints.openai.server_config import ServerConfig
 from detlora.entrypoints.openai.serving_chat import ServingChat
 from detlora.entrypoints.openai.serving_completion import ServingCompletion
@@ -49,27 +49,6 @@ logger = logging.getLogger("detlora.server")
 
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
            "/v1/decisions", "/v1/systemone", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body as ``model``: 413 past the cap, 400 for bad JSON or fields."""
-    try:
-        raw = await request.body()
-    except BodyTooLarge:
-        raise too_large(request.app.state.config.max_request_bytes) from None
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise bad_request(f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
-                          where or None) from None
 
 
 class _CountStatus:
@@ -90,15 +69,15 @@ class _CountStatus:
 
         async def counting_send(message: Any) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.http_requests.labels(route=route,
-                                                  status=str(message["status"])).inc()
+                self.metrics.count_response(route, message["status"])
             await send(message)
 
         await self.app(scope, receive, counting_send)
 
 
 def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any:
-    """The ASGI application (FastAPI inside the guard and the status counter)."""
+    """The ASGI application: FastAPI (its generation routes' POSTs answered directly,
+    ``direct_routes``) inside the guard and the status counter."""
     app = FastAPI(title="detlora", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(llm, config.served_model_name)
     app.state.config = config
@@ -112,11 +91,7 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        logger.error("unexpected error on %s: %s: %s", request.url.path, type(exc).__name__,
-                     exc, exc_info=exc)
-        return OpenAIError(500, "internal server error").response()
+    app.add_exception_handler(Exception, internal_error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -163,7 +138,12 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any
             await models.remove(req.lora_name)
             return JSONResponse({"status": "ok", "lora_name": req.lora_name})
 
-    asgi: Any = app
+    # The two generation routes stay FastAPI's too (their other methods get its 405), but
+    # their POSTs are answered by DirectRoutes, without FastAPI's per-request layers.
+    asgi: Any = DirectRoutes(app, {
+        "/v1/completions": DirectRoute(CompletionRequest, completions.create),
+        "/v1/chat/completions": DirectRoute(ChatCompletionRequest, chat.create),
+    }, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

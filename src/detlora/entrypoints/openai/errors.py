@@ -7,8 +7,12 @@ where the client gave them (an adapter path under ``--lora-root``).
 from __future__ import annotations
 
 import json
+import logging
 
+from starlette.requests import Request
 from starlette.responses import Response
+
+logger = logging.getLogger("detlora.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
@@ -34,6 +38,14 @@ class OpenAIError(Exception):
                         media_type="application/json")
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """The answer to an unexpected exception: logged here with its trace, answered 500
+    without it."""
+    logger.error("unexpected error on %s: %s: %s", request.url.path, type(exc).__name__,
+                 exc, exc_info=exc)
+    return OpenAIError(500, "internal server error").response()
+
+
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_request")
 
@@ -47,4 +59,4 @@ def overloaded(message: str) -> OpenAIError:
     return OpenAIError(503, message, code="server_overloaded")
 
 
-__all__ = ["OpenAIError", "bad_request", "model_not_found", "overloaded"]
+__all__ = ["OpenAIError", "bad_request", "internal_error", "model_not_found", "overloaded"]
