@@ -90,8 +90,10 @@ async def _completion(client: httpx.AsyncClient, url: str, body: dict, res: Load
                 continue
             data = line[6:]
             if data == "[DONE]":
+                # Read on to the body's end, as the openai client does over HTTP/1.1: the
+                # connection then goes back to the pool instead of being closed.
                 done = True
-                break
+                continue
             chunk = json.loads(data)
             if "error" in chunk:
                 res.error = chunk["error"].get("message", "error")
