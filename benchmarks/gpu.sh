@@ -62,7 +62,7 @@ experiment() {  # experiment NAME OUT-FILE [ARGS...]: python -m benchmarks.exper
   python3 -m "benchmarks.experiments.$name" "$OUT/$file" "$@"
 }
 
-# The GPU image lacks FastAPI, uvicorn, pydantic and xgrammar: their wheels travel in .whl/
+# The GPU image lacks FastAPI, uvicorn, httptools, pydantic and xgrammar: their wheels travel in .whl/
 # (benchmarks/README.md lists them) and go into /tmp/site, after src on the path.
 server_wheels() {
   if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site/xgrammar ]; then

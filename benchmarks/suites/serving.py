@@ -47,6 +47,7 @@ Schema: {"meta", "rows": [{"concurrency", "output_tok_per_s", "ttft_p50_ms", "tt
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -535,7 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(plan)
     command = "python -m benchmarks.suites.serving" + (
         " --smoke" if args.smoke else " --quick" if args.quick else "")
-    write_results(args.out, {"meta": {**results_meta(command),
+    # uvicorn parses HTTP with httptools where the server can import it, else with h11.
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    write_results(args.out, {"meta": {**results_meta(command), "http": http,
                                       "seconds": round(time.time() - t0, 1)}, **result})
     return 0
 
