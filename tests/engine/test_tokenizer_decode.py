@@ -66,3 +66,11 @@ def test_clean_up_of_spaces_keeps_transformers_path(tmp_path):
     assert _backend_decode(tok.hf) is None
     assert tok.decode(ids) == "hello, world."
     _check_equal(tok, len(words))
+
+
+def test_text_with_a_lone_surrogate_is_a_clear_error(tmp_path):
+    build_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    with pytest.raises(ValueError, match=r"the prompt is not valid text: .* at character 1"):
+        tok.encode("a\ud800b")
+    assert tok.encode("a b") == tok.hf("a b")["input_ids"]

@@ -275,6 +275,12 @@ def test_errors_are_openai_shaped(server, assets):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = _post(server, "/v1/completions", {"prompt": [1, 2, 10**6]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    for route, body in (("/v1/completions", {"prompt": "a\ud800b"}),  # a lone surrogate
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "a\ud800"}]})):
+        r = httpx.post(url + route, content=json.dumps(body),
+                       headers={"Authorization": f"Bearer {KEY}"})  # JSON's \ud800 escape
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"], route
     r = _post(server, "/v1/completions", {"prompt": ["a"] * 5, "n": 16, "max_tokens": 1})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
     assert "Traceback" not in server_log(assets[0], url)

@@ -18,6 +18,16 @@ def has_tokenizer(path: str | Path) -> bool:
     return any((Path(path) / name).is_file() for name in _TOKENIZER_FILES)
 
 
+def check_text(text: str, what: str) -> None:
+    """ValueError unless ``text`` is Unicode that UTF-8 can hold: a lone surrogate (JSON's
+    ``"\\ud800"``) would otherwise reach the tokenizer, which refuses it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid text: {e.reason} at character {e.start} "
+                         f"({text[e.start]!a})") from None
+
+
 class Tokenizer:
     def __init__(self, path: str | Path, *, mode: str = "auto",
                  trust_remote_code: bool = False) -> None:
@@ -41,6 +51,7 @@ class Tokenizer:
         return () if eos is None else (int(eos),)
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the prompt")
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
 
     def encode_chat(
@@ -73,6 +84,7 @@ class Tokenizer:
                 tools=list(tools) if tools is not None else None, **extra)
         except Exception as e:  # a template error (jinja2) names the template's problem
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+        check_text(text, "the rendered chat")
         # The template writes any BOS itself.
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 

@@ -78,7 +78,10 @@ class OpenAIServing:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids", "prompt")
-        return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as e:  # text the tokenizer cannot take (a lone surrogate)
+            raise bad_request(str(e), "prompt") from None
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         prompt_len: int, logprobs: int | None,
