@@ -191,8 +191,9 @@ class DecodeGraphs:
         """The graph a step of ``bucket`` whose rows use ``used_groups`` adapter groups
         replays: the bucket's narrow one where it has one and they fit, else its own."""
         narrow = (bucket, NARROW_GROUPS)
-        return narrow if used_groups <= NARROW_GROUPS and narrow in self.graphs else (bucket,
-                                                                                     None)
+        if used_groups <= NARROW_GROUPS and narrow in self.graphs:
+            return narrow
+        return (bucket, None)
 
     def stage(self, step: StepInputs, bucket: int) -> int:
         """Copy ``step``'s inputs, padded to ``bucket`` rows, into the static buffers; returns
