@@ -8,7 +8,8 @@
 #   benchmarks/gpu.sh [STEP ...]        (no step: tests kernels ops engine)
 #
 # Steps:
-#   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine (its two halves)
+#   GPU tests         tests (all of tests/gpu) | tests-kernels, tests-engine, tests-rest (its
+#                     three parts)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
 #                     study-tests multi-lora-tests robust-tests
@@ -108,8 +109,8 @@ status=0
 for step in "${steps[@]}"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    # The whole GPU suite took 540 s at b6b0cce, near one device call's 600 s limit: the two
-    # halves below fit one call each.
+    # The whole GPU suite took 540 s at b6b0cce, near one device call's 600 s limit: the three
+    # parts below (together all of tests/gpu) fit a call each.
     tests) gpu_tests gpu_tests.log 45 tests/gpu --durations=15 || status=1 ;;
     tests-kernels) gpu_tests gpu_tests_kernels.log 45 tests/gpu/test_lora_kernels_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_paged_attention_gpu.py \
@@ -119,6 +120,11 @@ for step in "${steps[@]}"; do
                     tests/gpu/test_models_gpu.py tests/gpu/test_sampling_gpu.py \
                     tests/gpu/test_demo_gpu.py tests/gpu/test_multi_lora_gpu.py \
                     --durations=15 || status=1 ;;
+    tests-rest) server_wheels  # the files neither half above runs (the server's wheels first)
+                gpu_tests gpu_tests_rest.log 45 tests/gpu/test_robust_gpu.py \
+                  tests/gpu/test_structured_gpu.py tests/gpu/test_study_gpu.py \
+                  tests/gpu/test_tensor_parallel_ops_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
+                  --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
