@@ -256,3 +256,21 @@ def test_user_errors_are_one_line_without_a_traceback(capsys, argv, message):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(f"detlora {argv[0]}: error: ") and message in err
+
+
+def test_serve_refuses_a_port_in_use_before_starting_the_engine(tmp_path, capsys):
+    """The port is bound first: one in use (or out of range) is a one-line error at once, with
+    no engine started (the model directory here holds no model)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"detlora serve: error: cannot listen on 127.0.0.1:{port}: " \
+        "Address already in use", err
+    assert main(["serve", str(tmp_path), "--device", "cpu", "--port", "65536"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("detlora serve: error: port must be an int in [0, 65535]"), err

@@ -7,9 +7,10 @@ carries ``system_fingerprint``: equal fingerprints and equal requests (seed incl
 equal outputs at ``batch_invariant``, whatever else the server runs. Errors are OpenAI-shaped
 JSON; an unexpected exception is logged here and answered 500 without its trace.
 
-``run_server`` starts the engine process, loads ``--lora-modules``, serves until SIGINT or
-SIGTERM, then lets in-flight requests finish (up to ``graceful_timeout`` seconds; the rest
-are aborted) and stops the engine.
+``run_server`` binds the port first (a port in use fails at once, and port 0 takes a free one
+that the log line names), starts the engine process, loads ``--lora-modules``, serves until
+SIGINT or SIGTERM, then lets in-flight requests finish (up to ``graceful_timeout`` seconds;
+the rest are aborted) and stops the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
 from typing import Any
 
 from fastapi import FastAPI
@@ -154,9 +156,26 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any
     return _CountStatus(asgi, metrics)
 
 
-async def serve(engine_config: EngineArgs, config: ServerConfig, *,
-                tokenizer_dir: str | None = None, ready: Any = None) -> None:
-    """Start the engine, serve until a signal, then shut down gracefully."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening yet: bound before the engine starts,
+    so the port is ours while it loads. Port 0 takes a free port. Raises ValueError naming
+    the address when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.socket, *,
+                tokenizer_dir: str | None = None) -> None:
+    """Start the engine, serve on ``sock`` (bound, from ``bind_socket``) until a signal, then
+    shut down gracefully."""
     import uvicorn
 
     llm = await AsyncLLM.start(
@@ -179,9 +198,7 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, *,
         # that the full collections that per-chunk garbage triggers stay short.
         gc.collect()
         gc.freeze()
-        if ready is not None:
-            ready()
-        await uv.serve()
+        await uv.serve(sockets=[sock])
     finally:
         await llm.shutdown(drain=False)
 
@@ -197,15 +214,20 @@ def run_server(engine_config: EngineArgs, config: ServerConfig,
         raise SystemExit(0)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
     logger.info("serving %s on http://%s:%d (determinism=%s)", config.served_model_name,
-                config.host, config.port, engine_config.resolved_determinism.value)
+                url_host, port, engine_config.resolved_determinism.value)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        asyncio.run(serve(engine_config, config, tokenizer_dir=tokenizer_dir))
+        asyncio.run(serve(engine_config, config, sock, tokenizer_dir=tokenizer_dir))
     except SystemExit as e:
         return int(e.code or 0)
+    finally:
+        sock.close()
     return 0
 
 
-__all__ = ["build_app", "read_body", "run_server", "serve"]
+__all__ = ["bind_socket", "build_app", "read_body", "run_server", "serve"]

@@ -20,7 +20,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (0: a free one, named in the log)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (or set DETLORA_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the base model's id "
@@ -85,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_server(engine, server, tokenizer_dir=args.tokenizer)
     except (ValueError, FileNotFoundError) as e:
-        print(f"detlora serve: {e}", file=sys.stderr)
+        print(f"detlora serve: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -41,6 +41,10 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or \
+                not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535] (0: a free one), got "
+                             f"{self.port!r}")
         if self.enable_lora_loading and not self.lora_root:
             raise ValueError("runtime adapter loading needs --lora-root: adapters load only "
                              "from under it")
