@@ -159,16 +159,23 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), not listening yet: bound before the engine starts,
     so the port is ours while it loads. Port 0 takes a free port. Raises ValueError naming
-    the address when it cannot be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    the address when it cannot be bound.
+
+    Made from ``getaddrinfo`` as asyncio's ``create_server`` makes its own: the protocol must
+    be ``IPPROTO_TCP``, or asyncio does not set ``TCP_NODELAY`` on accepted connections and
+    small writes wait for the client's delayed ACK (Nagle)."""
     try:
-        sock.bind((host, port))
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(False)
     return sock
 
 
