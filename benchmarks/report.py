@@ -28,11 +28,16 @@ MAX_COLUMNS = 12
 SCALARS = (str, int, float, bool, type(None))
 
 
+def _short(commit: str, n: int) -> str:
+    """A commit's first n characters, keeping a ``-dirty`` mark (``harness.meta.git_commit``)."""
+    return commit[:n] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
 def _meta_line(meta: dict) -> str:
     host = f", host {meta['host']}" if meta.get("host") else ""
     return (f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']}, triton "
-            f"{meta.get('triton', '?')}{host}, commit `{meta['commit'][:10]}`, {meta['date']}, "
-            f"`{meta['command']}`")
+            f"{meta.get('triton', '?')}{host}, commit `{_short(meta['commit'], 10)}`, "
+            f"{meta['date']}, `{meta['command']}`")
 
 
 def _cell(value: Any) -> str:
@@ -266,7 +271,7 @@ def history_table(rows: list[dict]) -> list[str]:
     for row, f in zip(rows, flat, strict=True):
         source = f"`{row['file']}`" + (f" at `{row['file_at'][:7]}`" if row.get("file_at")
                                        else "")
-        table.append([row["date"][:16], f"`{row['commit'][:7]}`", row.get("label", ""),
+        table.append([row["date"][:16], f"`{_short(row['commit'], 7)}`", row.get("label", ""),
                       source, *(f.get(c) for c in cols)])
     return _table(["date", "commit", "label", "file", *cols], table)
 

@@ -46,15 +46,23 @@ def host() -> str:
 def commit_id() -> str:
     """The checkout's commit: ``$DETLORA_COMMIT`` if set (a copy without .git), else git's."""
     env = os.environ.get("DETLORA_COMMIT")
-    if env:
-        return env
+    return env if env else git_commit(REPO_ROOT)
+
+
+def git_commit(root: Path) -> str:
+    """HEAD's hash, with ``-dirty`` when tracked files differ from it (as ``git describe
+    --dirty``): results from edits not committed, or from a copy whose .git is older than its
+    files, are not filed under a commit that did not make them. "unknown" without git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=root).stdout.strip()
+
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=REPO_ROOT,
-        ).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{head}-dirty" if dirty else head
 
 
 def results_meta(command: str) -> dict[str, str]:

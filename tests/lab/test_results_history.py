@@ -99,3 +99,27 @@ def test_meta_names_the_host_and_history_rows_keep_it():
     result["meta"]["host"] = meta["host"]
     assert history.history_row("engine", result, "engine.json")["host"] == meta["host"]
     assert f"host {meta['host']}" in report._meta_line(result["meta"])
+
+
+def test_a_tree_that_differs_from_head_is_filed_as_dirty(tmp_path):
+    """Results made from files that are not HEAD's (uncommitted edits, or a copy whose .git is
+    older than its files) carry ``-dirty``, and the report keeps the mark."""
+    import subprocess
+
+    from benchmarks.harness.meta import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    head = git("rev-parse", "HEAD").strip()
+    (tmp_path / "untracked.txt").write_text("not part of any commit\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path / "untracked.txt") == "unknown"  # not a directory: no git
+    assert f"commit `{head[:10]}-dirty`" in report._meta_line(
+        _engine_result(commit=head + "-dirty")["meta"])
