@@ -4,6 +4,7 @@ offline), a .gguf file; and the errors that say what to do when none fits."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,53 @@ def test_the_server_resolves_models_as_llm_does(tmp_path, monkeypatch):
     skipped = resolve_model_files(EngineArgs(model=snapshot, device="cpu",
                                              skip_tokenizer_init=True))
     assert skipped.tokenizer_dir is None
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    from tests.helpers.tiny_gguf import write_tiny_llama_gguf
+
+    monkeypatch.setenv("DETLORA_CACHE", str(tmp_path / "cache"))
+    return write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+
+
+def test_a_gguf_file_converts_to_transformers_weights_bit_for_bit(tiny_gguf):
+    """The conversion reads the GGUF file without from_pretrained, yet gives the weights,
+    config and tokenizer that transformers' own GGUF loading gives (which needs accelerate,
+    present in the test extra)."""
+    pytest.importorskip("accelerate")
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    converted = resolve_model(str(tiny_gguf))
+    ours = load_file(str(converted / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
+                                              dtype=torch.float32)
+    theirs = hf.state_dict()
+    assert set(ours) == set(theirs) and len(ours) == 21
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, theirs[name]), name
+    tok = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    assert AutoTokenizer.from_pretrained(str(converted))("the tin").input_ids == \
+        tok("the tin").input_ids
+    llm = LLM(str(tiny_gguf), device="cpu")
+    out = llm.generate("the tin", SamplingParams(temperature=0.0, max_tokens=3),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_gguf_conversion_needs_no_accelerate(tiny_gguf):
+    """README's main job converts a GGUF file in a virtualenv without the test extra: with
+    accelerate made unimportable, the conversion still succeeds."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['accelerate'] = None\n"
+            "from detlora.models.sources import resolve_model\n"
+            f"print(resolve_model({str(tiny_gguf)!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (Path(done.stdout.strip()) / "model.safetensors").is_file()

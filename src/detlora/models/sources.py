@@ -161,26 +161,43 @@ def gguf_model_dir(path: Path, dtype: torch.dtype = torch.float32) -> Path:
 
 
 def _convert_gguf(path: Path, out: Path, dtype: torch.dtype) -> None:
-    """transformers' GGUF reader (dequantizing) into ``out``: weights as safetensors (the
-    tied head left out), config.json without the GGUF quantization entry, the tokenizer."""
+    """The GGUF file as a model directory in ``out``: weights as safetensors (the tied head
+    left out), config.json without the GGUF quantization entry, generation config, tokenizer.
+
+    transformers' GGUF reader parses the metadata into a config and dequantizes each tensor
+    (the ``gguf`` package's numpy dequantization, llama's q/k permutation undone) under the
+    names of a model built on the meta device; no model is materialised, so
+    ``from_pretrained``'s loading stack (which wants ``accelerate`` for GGUF files) is not
+    needed. The tensors are those ``from_pretrained(gguf_file=...)`` loads, bit for bit.
+    """
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
+        fields = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device("meta"):  # parameter names only: no memory, no initialisation
+            names = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                       model_to_load=names)["tensors"]
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=dtype)
     except Exception as e:
         raise ValueError(f"cannot convert {path}: {e}") from None
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    config["dtype"] = str(dtype).replace("torch.", "")
-    weights = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
+    expected = set(names.state_dict())
+    weights = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise ValueError(f"cannot convert {path}: {len(missing)} weight(s) missing from the "
+                         f"GGUF file, e.g. {missing[:3]}")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(out))
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config_dict["dtype"] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(config_dict, indent=1))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
     tok.save_pretrained(str(out))
