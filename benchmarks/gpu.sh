@@ -16,7 +16,7 @@
 #                     tensor-parallel-tests (2+ GPUs for most)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
-#                     profile-levels profile-bi-large profile-overlap profile-adapters
+#                     profile-levels profile-small (SmolLM2, Qwen3-0.6B shapes) profile-bi-large profile-overlap profile-adapters
 #                     profile-slot-cost (one adapter in use, 1 and 64 slots: kernel tables)
 #                     | attention-tiles
 #                     split-kv-sweep | matmul-small-m | rms-warps | expand-configs
@@ -190,6 +190,12 @@ for step in "${steps[@]}"; do
       for n in 1 64; do
         python3 -m benchmarks.suites.profile_engine --modes batch_invariant --batches 1,64 \
           --tokens 16 --max-loras "$n" --out "$OUT/profile_slot_cost_$n.json" || status=1
+      done ;;
+    # Small models (issue: small models, short requests): fast vs batch_invariant per kernel.
+    profile-small)
+      for shape in smollm2 qwen3-0.6b; do
+        python3 -m benchmarks.suites.profile_engine --shape "$shape" --modes fast,batch_invariant \
+          --batches 1,64 --tokens 16 --out "$OUT/profile_small_$shape.json" || status=1
       done ;;
     profile-bi-large) python3 -m benchmarks.suites.profile_engine --modes batch_invariant \
                         --batches 64,256 --tokens 16 --out "$OUT/profile_bi_large.json" \

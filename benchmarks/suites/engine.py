@@ -54,6 +54,22 @@ class ModelShape:
     vocab: int = 128256
     rank: int = 16
     alpha: int = 32
+    architecture: str = "LlamaForCausalLM"  # or Qwen3ForCausalLM (per-head q/k norms)
+    max_positions: int = 131072
+
+
+# Model shapes the suites take by name (--shape): published configs' sizes, random weights.
+SHAPES: dict[str, ModelShape] = {
+    "3b": ModelShape(),  # Llama-3.2-3B
+    "8b": ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+    # SmolLM2-135M(-Instruct): hidden 576, 9 heads of 64, 3 KV heads, tied, vocab 49152.
+    "smollm2": ModelShape(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64,
+                          intermediate=1536, vocab=49152, max_positions=8192),
+    # Qwen3-0.6B: hidden 1024, 16 heads of 128, 8 KV heads, q/k norms, tied, vocab 151936.
+    "qwen3-0.6b": ModelShape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
+                             intermediate=3072, vocab=151936,
+                             architecture="Qwen3ForCausalLM", max_positions=40960),
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,8 @@ class BenchPlan:
 
 
 def write_model(path: Path, s: ModelShape, seed: int = 0) -> int:
-    """Random bf16 Llama-3.2-3B-shaped checkpoint; returns its weight bytes."""
+    """Random bf16 checkpoint of shape ``s`` (Llama-3.2-3B's by default; Llama's rope and
+    ids for every shape); returns its weight bytes."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -109,13 +126,17 @@ def write_model(path: Path, s: ModelShape, seed: int = 0) -> int:
               p + "mlp.gate_proj.weight": rnd(s.intermediate, s.hidden),
               p + "mlp.up_proj.weight": rnd(s.intermediate, s.hidden),
               p + "mlp.down_proj.weight": rnd(s.hidden, s.intermediate)}
+        if s.architecture == "Qwen3ForCausalLM":
+            w |= {p + "self_attn.q_norm.weight": 1 + rnd(s.head_dim, std=0.05),
+                  p + "self_attn.k_norm.weight": 1 + rnd(s.head_dim, std=0.05)}
     save_file(w, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [s.architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[s.architecture],
         "vocab_size": s.vocab, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
         "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
         "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": s.max_positions, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": True, "torch_dtype": "bfloat16",

@@ -329,20 +329,24 @@ def _profile_mode(llm: Any, mode: str, w: Any, batches: tuple[int, ...],
     return rows
 
 
-def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
+def run(log: Callable[[str], None] = print, layers: int | None = None, tokens: int = 32,
         modes: tuple[str, ...] = ("fast", "batch_invariant"),
         batches: tuple[int, ...] = (1, 64), lora: bool = True,
         lora_reduction: str | None = None, overlap: bool = False,
-        adapters: int = 1, max_loras: int | None = None) -> dict[str, Any]:
+        adapters: int = 1, max_loras: int | None = None,
+        shape: str = "3b") -> dict[str, Any]:
     """``adapters`` > 1: that many adapters in as many slots, a batch's rows spread over them
     (row k on adapter k % adapters), to see which kernels grow with the adapters in a step.
     ``max_loras``: the engine's slots (default: the adapters', at least 2), to see which
-    kernels grow with slots that no row uses."""
+    kernels grow with slots that no row uses. ``shape``: a name of ``engine.SHAPES``;
+    ``layers`` None keeps its layer count."""
     from detlora import LoRARequest
 
-    plan = replace(be.BenchPlan(), shape=replace(be.ModelShape(), layers=layers),
+    model_shape = be.SHAPES[shape]
+    layers = layers or model_shape.layers
+    plan = replace(be.BenchPlan(), shape=replace(model_shape, layers=layers),
                    output_len=tokens, throughput_batches=batches)
-    out: dict[str, Any] = {"plan": {"layers": layers, "output_tokens": tokens, "lora": lora,
+    out: dict[str, Any] = {"plan": {"shape": shape, "layers": layers, "output_tokens": tokens, "lora": lora,
                                     "lora_reduction": lora_reduction, "adapters": adapters,
                                     "max_loras": max_loras},
                            "rows": []}
@@ -381,7 +385,10 @@ def run(log: Callable[[str], None] = print, layers: int = 28, tokens: int = 32,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="profile engine steps on the GPU")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--shape", default="3b", choices=sorted(be.SHAPES),
+                        help="the model shape (random weights)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers (default: the shape's)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="fast,batch_invariant")
     parser.add_argument("--batches", default="1,64")
@@ -399,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     body = run(layers=args.layers, tokens=args.tokens, modes=tuple(args.modes.split(",")),
                batches=tuple(int(b) for b in args.batches.split(",")), lora=not args.no_lora,
                lora_reduction=args.lora_reduction, overlap=args.overlap,
-               adapters=args.adapters, max_loras=args.max_loras)
+               adapters=args.adapters, max_loras=args.max_loras, shape=args.shape)
     from benchmarks.harness import results_meta, write_results
 
     command = " ".join(["python -m benchmarks.suites.profile_engine", *(argv or sys.argv[1:])])
