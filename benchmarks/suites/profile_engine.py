@@ -346,9 +346,9 @@ def run(log: Callable[[str], None] = print, layers: int | None = None, tokens: i
     layers = layers or model_shape.layers
     plan = replace(be.BenchPlan(), shape=replace(model_shape, layers=layers),
                    output_len=tokens, throughput_batches=batches)
-    out: dict[str, Any] = {"plan": {"shape": shape, "layers": layers, "output_tokens": tokens, "lora": lora,
-                                    "lora_reduction": lora_reduction, "adapters": adapters,
-                                    "max_loras": max_loras},
+    out: dict[str, Any] = {"plan": {"shape": shape, "layers": layers, "output_tokens": tokens,
+                                    "lora": lora, "lora_reduction": lora_reduction,
+                                    "adapters": adapters, "max_loras": max_loras},
                            "rows": []}
     with tempfile.TemporaryDirectory(prefix="detlora-profile-") as tmp:
         root = Path(tmp)
