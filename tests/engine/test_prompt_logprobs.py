@@ -139,3 +139,20 @@ def test_a_cached_prefix_is_scored_not_skipped(llama_dir):
     later = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1),
                          use_tqdm=False)[0]
     assert later.num_cached_tokens > 0
+
+
+def test_one_top_token_is_the_sorted_order_first(llama_dir):
+    """prompt_logprobs=1 takes the best token by argmax (no sort of the row): the same entry
+    and ranks as the sorted order's first, ties to the lower token id included."""
+    sampler = LLM(str(llama_dir), device="cpu", max_model_len=64).engine.sampler
+    gen = torch.Generator().manual_seed(26)
+    logits = torch.randn(6, 200, generator=gen)
+    logits[1, [7, 150]] = 9.0  # a tie for the best: id 7 first
+    logits[2, [3, 4, 5]] = -50.0
+    logits[3] = 0.5  # every token ties
+    targets = [5, 150, 4, 9, 0, 199]
+    one = sampler.prompt_logprobs(logits, targets, [1] * 6)
+    two = sampler.prompt_logprobs(logits, targets, [2] * 6)
+    for (e1, r1), (e2, r2) in zip(one, two, strict=True):
+        assert list(e1.items()) == list(e2.items())[: len(e1)] and r1 == r2[: len(e1)]
+    assert list(one[1][0]) == [150, 7] and list(one[3][0]) == [9, 0]
