@@ -23,6 +23,8 @@
 #                     shrink-chunks | multi-lora (or in parts: multi-lora-traffic
 #                     multi-lora-invariance slot-cost) | serving (installs .whl/*.whl
 #                     first: the server's wheels)
+#                     evals (lm-eval's requests through `detlora serve` on SmolLM2: the server's
+#                     and lm-eval's wheels from .whl/, SmolLM2 as for study)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
@@ -66,7 +68,8 @@ experiment() {  # experiment NAME OUT-FILE [ARGS...]: python -m benchmarks.exper
 # The GPU image lacks FastAPI, uvicorn, httptools, pydantic and xgrammar: their wheels travel in .whl/
 # (benchmarks/README.md lists them) and go into /tmp/site, after src on the path.
 server_wheels() {
-  if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site/xgrammar ]; then
+  if compgen -G ".whl/*.whl" >/dev/null && { [ ! -d /tmp/site/xgrammar ] || {
+      compgen -G ".whl/lm_eval-*.whl" >/dev/null && [ ! -d /tmp/site/lm_eval ]; }; }; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl
   fi
@@ -216,6 +219,8 @@ for step in "${steps[@]}"; do
                       --out "$OUT/expand_configs.json" || status=1 ;;
     shrink-chunks) python3 -m benchmarks.suites.shrink_chunks \
                      --out "$OUT/r2r_shrink_chunks.json" || status=1 ;;
+    evals) server_wheels; python3 -m benchmarks.suites.evals --out "$OUT/evals.json" \
+             || status=1 ;;
     serving) server_wheels
              python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
     structured-tests) server_wheels

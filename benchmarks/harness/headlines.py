@@ -161,6 +161,26 @@ def multi_lora(d: dict) -> Headline:
     return out
 
 
+def evals(d: dict) -> Headline:
+    """Loglikelihood requests/s over HTTP at the highest concurrency and its ratio to offline
+    scoring; differing samples over every row."""
+    rows = d.get("rows", [])
+    http = [r for r in rows if r.get("client") == "http" and r["task_type"] == "loglikelihood"]
+    out: Headline = {"differing": sum(r.get("differing") or 0 for r in rows),
+                     "lm_eval": d.get("lm_eval")}
+    if http:
+        top = max(http, key=lambda r: r["concurrency"])
+        out[f"loglikelihood_per_s_c{top['concurrency']}"] = _r(top["requests_per_s"], 1)
+        out["vs_offline"] = _r(top["vs_offline"])
+    return out
+
+
+def _is_evals(d: dict) -> bool:
+    rows = d.get("rows")
+    return bool(rows) and isinstance(rows[0], dict) and {"task_type", "client",
+                                                         "concurrency"} <= set(rows[0])
+
+
 def _is_multi_lora(d: dict) -> bool:
     return "traffic" in d and "slot_cost" in d
 
@@ -201,6 +221,7 @@ LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] =
     (_is_prefix_caching, prefix_caching),
     (_is_profile, profile),
     (_is_run_ahead_cases, run_ahead_cases),
+    (_is_evals, evals),
 )
 
 

@@ -413,7 +413,10 @@ class Sampler:
         parts = [lp.gather(1, index[:, None])[:, 0].double(),
                  self._rank(logits, index).double()]
         n = max(top_n, default=0)
-        if n:
+        if n == 1:  # lm-eval's case: the stable sort's first is the first maximum (argmax)
+            ids = torch.argmax(lp, dim=-1, keepdim=True)
+            parts += [lp.gather(1, ids).double().reshape(-1), ids.double().reshape(-1)]
+        elif n:
             vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
             parts += [vals[:, :n].double().reshape(-1), ids[:, :n].double().reshape(-1)]
         values = torch.cat(parts).tolist()  # fp32 logprobs and token ids are exact in float64

@@ -154,10 +154,12 @@ class OpenAIServing:
         self, prompts: Sequence[tuple[list[int], str | None]], params: SamplingParams,
         lora: LoRARequest | None, request_id: str,
         label_token_ids: Sequence[Sequence[int]] | None = None,
+        score_every_prompt: bool = False,
     ) -> list[RequestStream]:
         """Add ``n`` engine requests per prompt (prompt-major order); 503 when the server is
         full, 400 when the engine refuses one. All or nothing: on an error the ones added
-        are aborted."""
+        are aborted. Completion 0 of a prompt scores it (``prompt_logprobs``), or with
+        ``score_every_prompt`` each of the n (equal bits: the engine is batch-invariant)."""
         total = len(prompts) * params.n
         try:
             self.llm.check_capacity(total)
@@ -166,7 +168,7 @@ class OpenAIServing:
         except EngineDeadError:
             raise OpenAIError(503, "the engine is not running") from None
         later = params if params.prompt_logprobs is None or params.n == 1 \
-            else dataclasses.replace(params, prompt_logprobs=None)
+            or score_every_prompt else dataclasses.replace(params, prompt_logprobs=None)
         streams: list[RequestStream] = []
         try:
             # All of them queued at once (one message each), then their answers awaited: no
