@@ -179,3 +179,27 @@ def test_kernel_column_shards_keep_the_layers_k_split(kernels):
     for r in range(4):
         rows = slice(r * 256, (r + 1) * 256)
         assert torch.equal(matmul.linear(x, w[rows], split=split), full[:, rows])
+
+
+@pytest.mark.parametrize(("groups", "m", "n", "dtype", "with_bias"),
+                         [(8, 3, 576, torch.float16, True), (4, 1, 1000, torch.float16, False),
+                          (2, 5, 2500, torch.float32, True), (1, 2, 7, torch.float32, False)])
+def test_the_sum_kernel_gives_the_references_bits(groups, m, n, dtype, with_bias):
+    """One launch adds the partials in group order: the reference's fp32 additions exactly
+    (partials of widely different magnitudes, so another order would round differently).
+    The interpreter truncates bf16 roundings: bf16 is proved on the GPU."""
+    from detlora.ops.grouped_linear import sum_partials_kernel, sum_partials_ref
+
+    g = torch.Generator().manual_seed(groups * 100 + n)
+    scale = torch.logspace(0, 3 if dtype == torch.float16 else 6, groups)
+    parts = torch.randn(groups, m, n, generator=g) * scale[:, None, None]
+    parts[0, 0, :3] = -0.0
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    want = sum_partials_ref(parts, bias, dtype)
+    got = sum_partials_kernel(parts, bias, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    # A strided view of partials (a rank's all-gathered [G, M, N] slice) reads the same.
+    wide = torch.zeros(groups, m + 2, n)
+    wide[:, 1:m + 1] = parts
+    assert torch.equal(sum_partials_kernel(wide[:, 1:m + 1], bias, dtype), want)

@@ -17,14 +17,18 @@ many ranks share the layer, as long as G is a multiple of that number (``k_group
 In the kernels every partial is one reduction chain from zero (``KSplit.one_chain``), and
 ``linear_grouped`` is one launch of the batch-invariant linear whose chunks are the groups
 (``KSplit.equal_groups``) when the groups are whole BLOCK_K blocks: its last CTA (or the
-persistent CTA) adds the chunk sums in chunk order, which is ``sum_partials``. Otherwise it
-falls back to the partials and the torch sum. Row bits never depend on M.
+persistent CTA) adds the chunk sums in chunk order, which is ``sum_partials``. Otherwise
+(SmolLM2's o_proj: K = 576, groups of 72) it is two launches: the partials (one bmm) and
+``sum_partials``, itself one kernel on CUDA. Row bits never depend on M.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from detlora.ops._runtime import cdiv, kernels_available_for, next_power_of_2
 from detlora.ops.checks import check_tensor
 from detlora.ops.slot_columns import SlotColumns
 
@@ -57,10 +61,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, groups: int) -> tuple[int, int
     return m, weight.shape[0], k // groups
 
 
-def sum_partials(
+def sum_partials_ref(
     partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """fp32 partials [G, M, N] added in group order from zero, plus the bias, rounded once."""
+    """Torch reference of ``sum_partials``."""
     check_tensor("partials", partials, ndim=3, dtypes=(torch.float32,))
     # From an fp32 zero, as the kernels' running total starts: 0 + (-0) is +0.
     total = torch.zeros(partials.shape[1:], dtype=torch.float32, device=partials.device)
@@ -69,6 +73,59 @@ def sum_partials(
     if bias is not None:
         total += bias.float()
     return total.to(dtype)
+
+
+_SUM_BLOCK = 1024  # output columns per program
+
+
+@triton.jit(do_not_specialize=["groups", "m"])
+def _sum_partials_kernel(p_ptr, bias_ptr, out_ptr, groups, m, n, stride_pg, stride_pm,
+                         stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for g in range(0, groups):
+        total += tl.load(p_ptr + g * stride_pg + row * stride_pm + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_partials(
+    partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """fp32 partials [G, M, N] added in group order from zero, plus the bias, rounded once:
+    one kernel on CUDA (``sum_partials_kernel``), the torch reference elsewhere."""
+    if partials.is_cuda:
+        return sum_partials_kernel(partials, bias, dtype)
+    return sum_partials_ref(partials, bias, dtype)
+
+
+def sum_partials_kernel(
+    partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum_partials`` as one launch: the same fp32 additions in the same order as the
+    reference, so the same bits (where kernels run: CUDA or the interpreter)."""
+    check_tensor("partials", partials, ndim=3, dtypes=(torch.float32,))
+    if not kernels_available_for(partials):
+        raise ValueError("sum_partials_kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
+    g, m, n = partials.shape
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != n:
+            raise ValueError(f"bias has {bias.shape[0]} elements, the partials {n} columns")
+        bias = bias.contiguous()
+    partials = partials if partials.stride(2) == 1 else partials.contiguous()
+    out = torch.empty(m, n, dtype=dtype, device=partials.device)
+    if m == 0 or n == 0:
+        return out
+    block = min(_SUM_BLOCK, next_power_of_2(n))
+    _sum_partials_kernel[(m, cdiv(n, block))](
+        partials, partials if bias is None else bias, out, g, m, n, partials.stride(0),
+        partials.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
+        num_warps=4)
+    return out
 
 
 def linear_partials_ref(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
@@ -87,7 +144,7 @@ def linear_grouped_ref(
 ) -> torch.Tensor:
     """Torch reference of ``linear_grouped`` (every column computed)."""
     del slot_columns
-    return sum_partials(linear_partials_ref(x, weight, groups), bias, x.dtype)
+    return sum_partials_ref(linear_partials_ref(x, weight, groups), bias, x.dtype)
 
 
 def linear_partials(
@@ -125,5 +182,5 @@ def linear_grouped(
 
 __all__ = [
     "MAX_K_GROUPS", "k_groups", "linear_grouped", "linear_grouped_ref", "linear_partials",
-    "linear_partials_ref", "sum_partials",
+    "linear_partials_ref", "sum_partials", "sum_partials_kernel", "sum_partials_ref",
 ]
