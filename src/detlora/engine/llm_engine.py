@@ -313,13 +313,17 @@ class LLMEngine:
         """Start (or, under torchrun, meet) the workers of ranks 1..N-1; they load their
         shards while this process loads rank 0's."""
         from detlora.distributed.nccl_env import pin_nccl_for_run_to_run
-        from detlora.distributed.sharding import check_shardable
+        from detlora.distributed.tp_sizes import TensorParallelDims, check_tensor_parallel
         from detlora.engine.runner.tp_driver import TensorParallelDriver, next_group_name
         from detlora.engine.runner.tp_worker import ShardPayload
+        from detlora.json_files import read_json_object
 
         c = self.config
-        check_shardable(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                        intermediate_size=spec.intermediate_size, size=c.tensor_parallel_size)
+        # The rule docs/tensor_parallel.md's table is computed with, on the same config.json.
+        config_json = read_json_object(Path(self.model_dir), "config.json", "model",
+                                       "a model directory")
+        check_tensor_parallel(TensorParallelDims.from_config(config_json),
+                              c.tensor_parallel_size)
         if (c.enable_lora and self.determinism is Determinism.BATCH_INVARIANT
                 and self.lora_reduction is not LoRAReduction.IN_GEMM):
             raise ValueError("tensor parallelism at batch_invariant reduces the LoRA shrink of "
