@@ -23,6 +23,7 @@ import torch
 
 from detlora.config import Determinism, LoRAReduction, RequestOutputKind, SamplingParams
 from detlora.distributed.sharding import check_size
+from detlora.distributed.workers import refuse_in_spawn_bootstrap
 from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -173,6 +174,7 @@ class LLMEngine:
         self.tp_driver: TensorParallelDriver | None = None
         if config.tensor_parallel_size > 1:
             check_size(config.tensor_parallel_size)
+            refuse_in_spawn_bootstrap()  # a script without the __main__ guard, in a worker
             if launched_as_torchrun_worker(config.tensor_parallel_size):
                 serve_as_torchrun_worker()  # ends the process when rank 0 shuts down
         self.device = resolve_device(config.device)
