@@ -2,7 +2,6 @@
 from their config.json fields (``python -m benchmarks.tp_table --write`` refreshes it)."""
 
 from benchmarks import tp_table
-
 from detlora.distributed.tp_sizes import TensorParallelDims, invariant_sizes
 
 
