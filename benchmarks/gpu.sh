@@ -13,7 +13,8 @@
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
 #                     study-tests multi-lora-tests robust-tests
-#                     tensor-parallel-tests (2+ GPUs for most)
+#                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
+#                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-small (SmolLM2, Qwen3-0.6B shapes) profile-bi-large profile-overlap profile-adapters
@@ -144,6 +145,12 @@ for step in "${steps[@]}"; do
     tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \
                              tests/gpu/test_tensor_parallel_ops_gpu.py \
                              tests/gpu/test_tensor_parallel_gpu.py --durations=10 || status=1 ;;
+    # Issue 50 on ONE GPU: uneven real widths, 2-8 ranks simulated (ops and two models).
+    tensor-parallel-uneven-tests) gpu_tests gpu_tests_tp_uneven.log 25 \
+                                    tests/gpu/test_tensor_parallel_ops_gpu.py \
+                                    tests/gpu/test_tensor_parallel_gpu.py -k "uneven or \
+                                    shard or silu or attention or simulated" \
+                                    --durations=10 || status=1 ;;
     # Non-finite logits at every level (eager and graphs), engines built and dropped ten
     # times at the default memory utilization, the greedy head's finite flag.
     robust-tests) gpu_tests gpu_tests_robust.log 30 tests/gpu/test_robust_gpu.py \

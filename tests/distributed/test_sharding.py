@@ -39,7 +39,9 @@ def test_vocabulary_shards_are_aligned_and_cover_it():
 
 def test_unshardable_models_are_refused_naming_the_dimension():
     check_shardable(num_heads=32, num_kv_heads=8, intermediate_size=14336, size=8)
-    with pytest.raises(ValueError, match=r"num_attention_heads=12.*intermediate_size=100"):
+    with pytest.raises(ValueError, match=r"num_attention_heads=12 does not split.*"
+                       r"intermediate_size \(down_proj's K\) = 100.*"
+                       r"Sizes that keep them: 1, 2, 4$"):
         check_shardable(num_heads=12, num_kv_heads=4, intermediate_size=100, size=8)
 
 

@@ -165,3 +165,77 @@ def test_a_killed_worker_fails_the_engine_naming_its_rank(assets):
         assert time.monotonic() - start < 60
     finally:
         llm.engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- one GPU
+# Issue 50: 2, 4 and 8 ranks simulated on one GPU (threads taking turns, collectives in
+# memory: tests/helpers/tp_local.py) with the real kernels, on models whose widths do not cut
+# into whole 64-wide K blocks. Needs one GPU only.
+
+# name: (hidden, heads, KV heads, head_dim, intermediate, vocab)
+SIMULATED = {
+    # o K 768 in groups of 96 (1.5 blocks), down K 1544 in groups of 193; 12 heads: TP 8 is
+    # refused.
+    "uneven-groups": (576, 12, 4, 64, 1544, 1000),
+    # KV heads replicated at 4 and 8 ranks (the GQA group shrinks), down groups of 392
+    # (Nemotron-H 4B's MLP width / 4), a vocabulary that is not a multiple of 16.
+    "kv-replicated": (784, 8, 2, 128, 3136, 1531),
+}
+
+
+def _write_simulated(root: Path, name: str) -> tuple[Path, Path]:
+    from safetensors.torch import save_file
+
+    hidden, heads, kv_heads, head_dim, inter, vocab = SIMULATED[name]
+    model = root / name
+    write_bf16_llama(model, vocab=vocab, hidden=hidden, layers=2, heads=heads,
+                     kv_heads=kv_heads, head_dim=head_dim, inter=inter, proj_std=0.05,
+                     down_std=0.03, head_dim_in_config=True)
+    g = torch.Generator().manual_seed(7)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+    w = {}
+    for i in range(2):
+        for proj, (fin, fout) in dims.items():
+            p = (f"base_model.model.model.layers.{i}."
+                 f"{'self_attn' if proj in TARGETS[:4] else 'mlp'}.{proj}.")
+            w[p + "lora_A.weight"] = (torch.randn(RANK, fin, generator=g) / fin**0.5).to(
+                torch.bfloat16)
+            w[p + "lora_B.weight"] = (torch.randn(fout, RANK, generator=g) * 0.05).to(
+                torch.bfloat16)
+    adapter = root / f"{name}-adapter"
+    adapter.mkdir(parents=True)
+    save_file(w, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
+        "target_modules": list(TARGETS), "bias": "none"}))
+    return model, adapter
+
+
+@pytest.mark.parametrize("name", list(SIMULATED))
+def test_simulated_ranks_on_one_gpu_give_one_gpu_bits(tmp_path, name):
+    """Prefill and decode logits of 2, 4 and 8 simulated ranks (kernels, bf16, in_gemm LoRA
+    on half the rows) equal one GPU's bit for bit, or the size is refused by the rule that
+    names the sizes that keep them (``invariant_sizes``)."""
+    from tests.helpers.tp_local import model_logits, run_local_ranks
+
+    from detlora.distributed.tp_sizes import TensorParallelDims, invariant_sizes
+
+    model, adapter = _write_simulated(tmp_path, name)
+    keep = invariant_sizes(TensorParallelDims.from_config(
+        json.loads((model / "config.json").read_text())))
+    logits = model_logits(model, adapter, device="cuda", dtype=torch.bfloat16,
+                          lengths=(37, 300, 5, 129))
+    (want,) = run_local_ranks(1, logits, "cuda")
+    assert not isinstance(want, Exception), want
+    for size in (2, 4, 8):
+        got = run_local_ranks(size, logits, "cuda")
+        if size not in keep:
+            assert all(isinstance(e, ValueError) for e in got), f"size {size} not refused"
+            continue
+        for r, res in enumerate(got):
+            assert not isinstance(res, Exception), f"size {size} rank {r}: {res}"
+            assert torch.equal(res[0], want[0]), f"size {size} rank {r}: prefill differs"
+            assert torch.equal(res[1], want[1]), f"size {size} rank {r}: decode differs"

@@ -72,9 +72,10 @@ def make_adapter(base_dir: Path, path: Path, *, r: int = 8, alpha: float = 16,
 
 
 def write_random_checkpoint(path: Path, arch: str, *, tie: bool = False,
-                            rope_scaling: bool = False, seed: int = 0) -> Path:
-    """make_checkpoint's shapes, written without transformers (for machines without it):
-    config.json and model.safetensors with the weight names the loader expects."""
+                            rope_scaling: bool = False, seed: int = 0, **overrides) -> Path:
+    """make_checkpoint's shapes (or others: ``overrides`` of config.json's fields), written
+    without transformers (for machines without it): config.json and model.safetensors with
+    the weight names the loader expects."""
     from safetensors.torch import save_file
 
     from detlora.layers.backend import make_backend
@@ -91,6 +92,7 @@ def write_random_checkpoint(path: Path, arch: str, *, tie: bool = False,
         cfg |= dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     if rope_scaling:
         cfg["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": 500000.0}
+    cfg |= overrides
     spec = ModelSpec.from_config(cfg)
     shapes = ARCHITECTURES[name](spec, backend=make_backend("cpu")).hf_weights()
     g = torch.Generator().manual_seed(seed)

@@ -13,10 +13,9 @@ kernels (``detlora.ops.cpu_invariant.COL_TILE``).
 
 from __future__ import annotations
 
+from detlora.distributed.tp_sizes import SUPPORTED_SIZES, TensorParallelDims, check_tensor_parallel
 from detlora.ops.cpu_invariant import COL_TILE
-from detlora.ops.grouped_linear import MAX_K_GROUPS
 
-SUPPORTED_SIZES = tuple(1 << i for i in range(MAX_K_GROUPS.bit_length()))  # 1, 2, 4, 8
 SHARD_ALIGN = COL_TILE
 
 
@@ -57,16 +56,10 @@ def vocab_shard_rows(vocab_size: int, size: int) -> int:
 
 
 def check_shardable(*, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                    size: int) -> None:
-    """Refuse a model whose heads or MLP width do not split over ``size`` ranks."""
+                    size: int, head_dim: int = 1) -> None:
+    """Refuse a model whose heads or MLP width do not split over ``size`` ranks with one
+    device's bits (``detlora.distributed.tp_sizes``: the error names the sizes that do)."""
     check_size(size)
-    problems = []
-    if num_heads % size:
-        problems.append(f"num_attention_heads={num_heads}")
-    if num_kv_heads % size and size % num_kv_heads:
-        problems.append(f"num_key_value_heads={num_kv_heads}")
-    if intermediate_size % size:
-        problems.append(f"intermediate_size={intermediate_size}")
-    if problems:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model: "
-                         f"{', '.join(problems)}")
+    check_tensor_parallel(TensorParallelDims.of(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_sizes=(intermediate_size,)), size)

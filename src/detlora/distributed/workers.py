@@ -32,6 +32,7 @@ import os
 import pickle
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -45,6 +46,16 @@ import torch.distributed as dist
 # detlora) before checking again that it is alive; there is no overall limit.
 _POLL_S = 0.2
 _STORE_TIMEOUT = datetime.timedelta(minutes=5)
+# The exit code of a spawned worker that found itself building an engine while it re-ran the
+# script's main module (``refuse_in_spawn_bootstrap``), and what the driver then tells the user.
+MAIN_REIMPORT_EXIT = 86
+MAIN_GUARD_HELP = (
+    "stopped while re-running your script: tensor_parallel_size > 1 starts each worker with "
+    "multiprocessing's spawn, which imports the script's main module again in the new "
+    "process, and the script builds an LLM (or engine) at module level, so the worker would "
+    "start one of its own. Put the code that builds and uses the LLM under\n\n"
+    "    if __name__ == \"__main__\":\n        llm = LLM(..., tensor_parallel_size=N)\n\n"
+    "(Python's multiprocessing guide, \"Safe importing of main module\"; vLLM asks the same)")
 
 
 class WorkerDied(RuntimeError):
@@ -280,6 +291,8 @@ def _accept(listener: mpc.Listener, size: int, procs: dict[int, Any]
         thread.join(_POLL_S)
         for rank, proc in procs.items():
             if rank not in conns and proc.exitcode is not None:
+                if proc.exitcode == MAIN_REIMPORT_EXIT:
+                    raise WorkerDied(rank, MAIN_GUARD_HELP)
                 raise WorkerDied(rank, f"exited with code {proc.exitcode} before connecting")
     if errors:
         raise errors[0]
@@ -287,6 +300,17 @@ def _accept(listener: mpc.Listener, size: int, procs: dict[int, Any]
 
 
 # ----------------------------------------------------------------------------- worker side
+
+
+def refuse_in_spawn_bootstrap() -> None:
+    """Exit with ``MAIN_REIMPORT_EXIT`` when this process is a spawned child still re-running
+    its parent's main module (multiprocessing marks that phase ``_inheriting``): a script
+    without the ``__main__`` guard builds its engine there, in every worker, and a worker
+    must not start workers of its own. The driver names the fix."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.stderr.write("detlora: a tensor-parallel worker stopped: the script builds an "
+                         "engine at module level, without if __name__ == \"__main__\":\n")
+        raise SystemExit(MAIN_REIMPORT_EXIT)
 
 
 class DriverLink:

@@ -23,6 +23,7 @@ import torch
 
 from detlora.config import Determinism, LoRAReduction, RequestOutputKind, SamplingParams
 from detlora.distributed.sharding import check_size
+from detlora.distributed.workers import refuse_in_spawn_bootstrap
 from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -173,6 +174,7 @@ class LLMEngine:
         self.tp_driver: TensorParallelDriver | None = None
         if config.tensor_parallel_size > 1:
             check_size(config.tensor_parallel_size)
+            refuse_in_spawn_bootstrap()  # a script without the __main__ guard, in a worker
             if launched_as_torchrun_worker(config.tensor_parallel_size):
                 serve_as_torchrun_worker()  # ends the process when rank 0 shuts down
         self.device = resolve_device(config.device)
@@ -313,13 +315,17 @@ class LLMEngine:
         """Start (or, under torchrun, meet) the workers of ranks 1..N-1; they load their
         shards while this process loads rank 0's."""
         from detlora.distributed.nccl_env import pin_nccl_for_run_to_run
-        from detlora.distributed.sharding import check_shardable
+        from detlora.distributed.tp_sizes import TensorParallelDims, check_tensor_parallel
         from detlora.engine.runner.tp_driver import TensorParallelDriver, next_group_name
         from detlora.engine.runner.tp_worker import ShardPayload
+        from detlora.json_files import read_json_object
 
         c = self.config
-        check_shardable(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                        intermediate_size=spec.intermediate_size, size=c.tensor_parallel_size)
+        # The rule docs/tensor_parallel.md's table is computed with, on the same config.json.
+        config_json = read_json_object(Path(self.model_dir), "config.json", "model",
+                                       "a model directory")
+        check_tensor_parallel(TensorParallelDims.from_config(config_json),
+                              c.tensor_parallel_size)
         if (c.enable_lora and self.determinism is Determinism.BATCH_INVARIANT
                 and self.lora_reduction is not LoRAReduction.IN_GEMM):
             raise ValueError("tensor parallelism at batch_invariant reduces the LoRA shrink of "

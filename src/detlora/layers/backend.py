@@ -299,8 +299,9 @@ def _reference_backend(
                      impls=MappingProxyType(impls))
 
 
-# Ops whose torch references reduce in whole-batch BLAS calls (see ``detlora.ops.cpu_invariant``).
-_CPU_INVARIANT_OPS = ("linear", "paged_attention", "lora_shrink", "lora_expand")
+# Ops whose torch references reduce in whole-batch BLAS calls, or (SiLU) give an element
+# bits that depend on its place in the row (see ``detlora.ops.cpu_invariant``).
+_CPU_INVARIANT_OPS = ("linear", "paged_attention", "lora_shrink", "lora_expand", "silu_and_mul")
 
 
 def _shrink_impl(reduction: LoRAReduction, impls: Mapping[str, str], kernel: str) -> str:

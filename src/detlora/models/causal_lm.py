@@ -92,7 +92,8 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp or TensorParallelGroup.single(device or "cpu")
         if not self.tp.is_single:
             check_shardable(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                            intermediate_size=spec.intermediate_size, size=self.tp.size)
+                            intermediate_size=spec.intermediate_size, size=self.tp.size,
+                            head_dim=spec.head_dim)
         kw = dict(backend=backend, dtype=self.dtype, device=device)
         par = dict(kw, tp=self.tp)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, **par)

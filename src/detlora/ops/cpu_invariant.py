@@ -17,14 +17,20 @@ runs in calls whose shapes do not depend on the batch:
   tests/engine).
 * grouped linears (``linear_grouped``, ``linear_partials``; see ``detlora.ops.grouped_linear``):
   the same tiles over each K group, fp32 partials added in group order.
+* SiLU(gate) * up (``silu_and_mul``): torch's ``silu`` runs the vectorised part of a row
+  with one exp and its scalar tail with another, which differ in the last bit for ~4% of
+  inputs, so an element's bits depended on its place in the row (and, with threads, on where
+  a thread's chunk starts): a tensor-parallel shard moves the MLP's columns to other places.
+  Here it is ``g / (1 + exp(-g)) * u``: ``exp`` runs every element through the same vector
+  code (a partial last vector, not a scalar tail) and the rest rounds exactly.
 * attention: per sequence, the keys are visited in blocks of ``KV_BLOCK`` positions (aligned
   to position 0, not to pages), each block's scores and ``P @ V`` reduced over a fixed-length
   innermost axis, blocks merged in position order with an online softmax. Blocks after a
   query's position are fully masked and leave its state unchanged exactly (``x * 1 + 0``), so
   the same query gives the same bits in a prefill, a chunk of one, or a decode step.
 
-The engine swaps these into the CPU backend for ``batch_invariant``; elementwise ops, gathers
-and the row reductions (RMSNorm, log-softmax, argmax) of the references are already
+The engine swaps these into the CPU backend for ``batch_invariant``; the other elementwise ops,
+gathers and the row reductions (RMSNorm, log-softmax, argmax) of the references are already
 batch-invariant for the hidden and vocabulary sizes a CPU runs.
 """
 
@@ -120,6 +126,13 @@ def linear_grouped(
     computed, so the bits are those of the ranks' partials)."""
     del slot_columns
     return sum_partials(linear_partials(x, weight, groups), bias, x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same semantics as ``detlora.ops.silu_and_mul.silu_and_mul_ref``; an element's bits
+    depend on its value alone, not on its place in the row."""
+    g, u = x.float().chunk(2, dim=-1)
+    return torch.div(g, torch.neg(g).exp_().add_(1)).mul_(u).to(x.dtype)
 
 
 def lora_shrink(
