@@ -245,3 +245,26 @@ def test_hf_llama_logits_do_not_depend_on_the_batch_under_the_mode(mode_off):
     result = hf_llama_invariance(batch=32)
     assert result["cases"] > 0
     assert result["mismatches"] == 0, result
+
+
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (3136, 12544), (576, 1536)])
+def test_grouped_linear_on_ragged_groups_is_the_reference_sum_bf16(n, k):
+    """A row-parallel linear whose K groups are not whole BLOCK_K blocks (SmolLM2's o_proj:
+    576 / 8 = 72; Nemotron-H's down: 12544 / 8 = 1568) runs the partials and the one-kernel
+    sum: the torch sum of the same partials bit for bit, in bf16, and rows that do not depend
+    on M."""
+    from detlora.ops.grouped_linear import (
+        k_groups,
+        linear_grouped,
+        linear_partials,
+        sum_partials_ref,
+    )
+
+    w, bias = _weights(n, k, torch.bfloat16, seed=n + k)
+    groups = k_groups(k)
+    x = _x(257, k, torch.bfloat16, seed=k)
+    want = sum_partials_ref(linear_partials(x, w, groups), bias, torch.bfloat16)
+    got = linear_grouped(x, w, bias, groups)
+    assert torch.equal(got, want)
+    for m in (1, 3, 64):
+        assert torch.equal(linear_grouped(x[:m], w, bias, groups), want[:m]), m
