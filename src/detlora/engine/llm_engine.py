@@ -28,7 +28,7 @@ from detlora.engine.detokenizer import IncrementalDetokenizer
 from detlora.engine.fingerprint import engine_fingerprint_parts, fingerprint
 from detlora.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from detlora.engine.prompts import token_id_list
-from detlora.engine.runner import kv_sizing
+from detlora.engine.runner import kernel_cache, kv_sizing
 from detlora.engine.runner.model_runner import ModelRunner
 from detlora.engine.runner.step_inputs import StepInputs, build_step_inputs
 from detlora.engine.runner.tp_driver import (
@@ -248,6 +248,14 @@ class LLMEngine:
             use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
         )
 
+        kernel_key = kernel_cache.kernel_key(
+            self.model.spec.canonical(), self.dtype, self.device, self.determinism.value,
+            config.tensor_parallel_size) if use_graphs else None
+        if kernel_key is not None and not kernel_cache.kernels_cached(kernel_key):
+            logger.info("first start of this model and detlora build on this GPU: compiling "
+                        "its kernels (a minute or more); Triton keeps them in %s, so later "
+                        "starts load them", kernel_cache.triton_cache_dir())
+
         def local_runner() -> ModelRunner:
             # Rank 0's only: the bar over the graph capture (the workers capture alongside).
             return ModelRunner(self.model, greedy_head=self.sampler.greedy_head,
@@ -257,8 +265,10 @@ class LLMEngine:
         # at once; the workers' runners compute logits but sample nothing.
         self.runner = local_runner() if tp is None else tp.runner(local_runner, runner_args)
         if self.runner.uses_cuda_graphs:
-            logger.info("CUDA graphs captured (compiling the kernels first) in %.1f s",
-                        time.perf_counter() - started)
+            built = time.perf_counter() - started
+            logger.info("CUDA graphs captured in %.1f s", built)
+            if kernel_key is not None:
+                kernel_cache.mark_kernels_cached(kernel_key, built)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_caching=config.resolved_prefix_caching)
         self.scheduler = Scheduler(
