@@ -116,14 +116,14 @@ class Attention(nn.Module):
         if pending is not None:  # q/k norms sit between the expand and rotary
             qkv = self.backend.lora_expand(qkv, pending.shrink_out, pending.lora_b, lora,
                                            pending.slice_offsets, slot_ranks=pending.slot_ranks)
+        if self.q_norm is not None and self.k_norm is not None:  # every q and k head, in place
+            qkv = self.backend.qk_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight,
+                                           self.q_norm.eps, self.num_heads, self.num_kv_heads,
+                                           self.head_dim)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # strided rows: write_kv takes them
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
-                                                               self.head_dim)
         # Reads strided rows; q comes back contiguous, k and v go into the pages.
         q = self.rotary.rotate_and_write_kv(q, k, v, positions, self.k_cache, self.v_cache,
                                             attn.slot_mapping)

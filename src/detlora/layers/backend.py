@@ -50,6 +50,8 @@ class OpBackend:
     linear: Callable[..., torch.Tensor]
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (qkv, q_weight, k_weight, eps, heads, kv_heads, head_dim) -> qkv, q/k heads normalized
+    qk_rms_norm: Callable[..., torch.Tensor]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv: Callable[..., None]
@@ -175,6 +177,7 @@ _OPS: dict[str, tuple[str, str, str]] = {
     "linear": ("matmul", "linear_ref", "linear"),
     "rms_norm": ("rms_norm", "rms_norm_ref", "rms_norm"),
     "fused_add_rms_norm": ("rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm"),
+    "qk_rms_norm": ("qk_norm", "qk_rms_norm_ref", "qk_rms_norm"),
     "rotary": ("rotary", "rotary_ref", "rotary"),
     "silu_and_mul": ("silu_and_mul", "silu_and_mul_ref", "silu_and_mul"),
     "write_kv": ("paged_attention", "write_kv_ref", "write_kv"),
