@@ -48,7 +48,6 @@ from detlora.decisions.reads import softmax
 from detlora.engine.fingerprint import FIELDS, fingerprint, fingerprint_fields
 from detlora.engine.frozen_heap import frozen_heap
 from detlora.engine_args import EngineArgs
-from detlora.json_files import read_jsonl_objects
 from detlora.lora.request import LoRARequest
 
 IDENTICAL, DIFFERS, NOT_COMPARABLE = "identical", "differs", "not_comparable"
@@ -240,11 +239,24 @@ def _select(entries: list[LogEntry], options: VerifyOptions) -> list[LogEntry]:
 
 
 def _read_inputs(path: str) -> dict[str, list[list[int]]]:
+    """--inputs: {"id": ..., "prompts": [[token ids], ...]} per line (ValueError naming the
+    line that is not)."""
+    source = Path(path)
+    if not source.is_file():
+        raise ValueError(f"--inputs file {path} does not exist")
     known: dict[str, list[list[int]]] = {}
-    for n, row in read_jsonl_objects(Path(path)):
-        prompts = row.get("prompts")
-        if not isinstance(row.get("id"), str) or not isinstance(prompts, list) or not all(
-                isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+    for n, line in enumerate(source.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        prompts = row.get("prompts") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str) \
+                or not isinstance(prompts, list) or not all(
+                    isinstance(p, list) and all(isinstance(t, int) for t in p)
+                    for p in prompts):
             raise ValueError(f'{path}:{n}: each line must be {{"id": ..., "prompts": '
                              '[[token ids], ...]}')
         known[row["id"]] = prompts

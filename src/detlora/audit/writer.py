@@ -201,7 +201,7 @@ class AuditWriter:
             if line is None:
                 self.stats.lines_dropped += 1
                 continue
-            if self._due_rotation(today, size + len(line)):
+            if self._due_rotation(today, size, len(line)):
                 self._flush(chunk, written)
                 chunk, size, written = [], 0, []
                 self._open_next()
@@ -235,9 +235,13 @@ class AuditWriter:
             view = view[n:]
         self._size += len(data)
 
-    def _due_rotation(self, today: str, pending: int) -> bool:
-        return today != self._day or (self._size + pending > self.config.max_bytes
-                                      and self._size > self._header_size)
+    def _due_rotation(self, today: str, pending: int, line: int) -> bool:
+        """Whether ``line`` bytes go to a new file, after ``pending`` bytes not written yet: a
+        new UTC day, or the size limit (a file holds at least one line)."""
+        if today != self._day:
+            return True
+        size = self._size + pending
+        return size + line > self.config.max_bytes and size > self._header_size
 
     def _open_next(self) -> None:
         """Close the current file (synced) and start the next one with the engine line."""
