@@ -26,6 +26,8 @@
 #                     first: the server's wheels)
 #                     evals (lm-eval's requests through `detlora serve` on SmolLM2: the server's
 #                     and lm-eval's wheels from .whl/, SmolLM2 as for study)
+#                     audit (the audit log: serving with and without it at concurrency 64,
+#                     detlora verify against offline; the server's wheels from .whl/)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
@@ -230,6 +232,8 @@ for step in "${steps[@]}"; do
              || status=1 ;;
     serving) server_wheels
              python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
+    audit) server_wheels
+           python3 -m benchmarks.suites.audit --out "$OUT/audit.json" || status=1 ;;
     structured-tests) server_wheels
                       gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
                         || status=1 ;;

@@ -31,7 +31,6 @@ ENGINE = "engine"
 REQUEST = "request"
 
 _PAIR = struct.Struct("<qd")
-_COUNT = struct.Struct("<I")
 
 
 def utc_time(seconds: float) -> str:
@@ -67,12 +66,23 @@ def value_of(entry: Any) -> float:
 
 
 def _positions(h: Any, entries: Sequence[Mapping[int, Any] | None]) -> None:
-    pair, count = _PAIR.pack, _COUNT.pack
+    """Each position as ``b"T"``, its entry count (uint32) and its (int64, float64) pairs,
+    little-endian, packed in one call."""
+    fmt = ["<"]
+    args: list[Any] = []
+    add = args.append
     for entry in entries:
         if entry is None:  # the first prompt position has none
             continue
-        h.update(b"T" + count(len(entry)))
-        h.update(b"".join(pair(t, value_of(v)) for t, v in entry.items()))
+        n = len(entry)
+        fmt.append("cI" + "qd" * n if n != 1 else "cIqd")
+        add(b"T")
+        add(n)
+        for t, v in entry.items():
+            add(t)
+            add(v if type(v) is float else value_of(v))
+    if args:
+        h.update(struct.pack("".join(fmt), *args))
 
 
 def logprobs_sha256(logprobs: Sequence[Mapping[int, Any]] | None,
