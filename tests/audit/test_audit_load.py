@@ -1,11 +1,14 @@
 """The audit log under load: 256 concurrent streams through the server's application (in this
-process, over ASGI, one engine process for both runs), first without the log, then with it.
+process, over ASGI, one engine process for every run), first without the log, then with it.
 No line is dropped, every request has its line, and the engine's steps take no longer with the
-log: the writer lives in the front end's process, off the step loop."""
+log: the writer lives in the front end's process, off the step loop. A writer that cannot
+write at all holds up no request: lines wait in its queue."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 from tests.helpers.tiny_chat_model import build_tiny_chat_model
@@ -52,6 +55,11 @@ async def _burst(app, streams: int = STREAMS) -> None:
 
 def test_256_streams_drop_no_line_and_delay_no_step(tmp_path):
     model, _ = build_tiny_chat_model(tmp_path / "assets")
+    stall = threading.Event()
+
+    def stuck() -> dict:  # holds the writer thread until released
+        stall.wait(120)
+        return {"v": 1, "kind": "request", "id": "stall"}
 
     async def run() -> None:
         args = EngineArgs(model=str(model), device="cpu", max_model_len=64,
@@ -72,18 +80,28 @@ def test_256_streams_drop_no_line_and_delay_no_step(tmp_path):
             logged = build_app(llm, models, config, recorder)  # the step hooks move to it
             await _burst(logged)
             with_log = await _steps(logged)
-            recorder.close()
             stats = recorder.stats
+            deadline = time.monotonic() + 60
+            while stats.lines_written < STREAMS and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             assert stats.lines_dropped == 0 and stats.lines_written == STREAMS
-            mean_without = without[0] / without[1]
-            mean_with = with_log[0] / with_log[1]
-            # Same requests, same engine: the log must not slow its steps (a loose bound:
-            # this box is shared, and steps are a few ms).
-            assert mean_with <= 1.5 * mean_without + 0.005, (mean_with, mean_without)
+            # The same requests on the same engine: the log must not slow its steps. The
+            # engine's busy seconds for the burst, within a loose bound (this box is shared).
+            assert with_log[0] <= 2.0 * without[0] + 0.2, (with_log, without)
+            # A writer that cannot write (a stalled disk) holds up no request and no step:
+            # the burst ends, its lines wait in the queue, and are written once it can.
+            recorder.writer.submit(stuck)
+            await _burst(logged, 64)
+            assert recorder.writer.queued >= 64 and stats.lines_dropped == 0
+            stall.set()
+            recorder.close()
+            assert stats.lines_written == STREAMS + 65 and stats.lines_dropped == 0
         finally:
+            stall.set()
             await llm.shutdown()
 
     asyncio.run(run())
-    entries = read_log([tmp_path / "log"]).entries
-    assert len(entries) == STREAMS
-    assert sorted(e.record["outputs"][0]["seed"] for e in entries) == list(range(STREAMS))
+    entries = [e for e in read_log([tmp_path / "log"]).entries if e.record["id"] != "stall"]
+    assert len(entries) == STREAMS + 64
+    assert sorted(e.record["outputs"][0]["seed"] for e in entries[:STREAMS]) == list(
+        range(STREAMS))
