@@ -67,6 +67,10 @@ def _traffic(url: str, model: str) -> dict[str, str | None]:
                                       temperature=0.9, seed=5, logprobs=1, stream=True)
         return [c.id for c in s][-1]
 
+    def completion_echo():  # every choice scores its prompt
+        return client.completions.create(model=model, prompt="no yes", max_tokens=2, n=2,
+                                         temperature=0.5, seed=4, logprobs=1, echo=True).id
+
     def chat_json():
         return client.chat.completions.create(
             model="tox", messages=[{"role": "user", "content": "json"}], max_tokens=8,
@@ -116,8 +120,9 @@ def _traffic(url: str, model: str) -> dict[str, str | None]:
         return None
 
     jobs = {f.__name__: f for f in (completion_n, completion_ids, completion_stop,
-                                    completion_stream, chat_json, chat_stream, chat_n,
-                                    decision, systemone, aborted, refused)}
+                                    completion_stream, completion_echo, chat_json,
+                                    chat_stream, chat_n, decision, systemone, aborted,
+                                    refused)}
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(f) for name, f in jobs.items()}
         return {name: f.result() for name, f in futures.items()}
@@ -147,7 +152,7 @@ def test_the_log_has_one_line_per_answer_and_is_private(served_log):
     assert not read.skipped
     assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in read.files)
     by_id = {e.record["id"]: e.record for e in read.entries}
-    assert len(by_id) == 10  # the refused request left none
+    assert len(by_id) == 11  # the refused request left none
     assert {r["route"] for r in by_id.values()} == {"completions", "chat", "decisions",
                                                    "systemone"}
     assert all(ids[k] in by_id for k in ids if ids[k] not in (None, "systemone"))
@@ -158,6 +163,9 @@ def test_the_log_has_one_line_per_answer_and_is_private(served_log):
     assert [o["prompt"] for o in two["outputs"]] == [0, 1] and two["adapter"]["name"] == "tox"
     assert all(isinstance(o["seed"], int) for o in two["outputs"])
     assert by_id[ids["completion_stop"]]["outputs"][0]["finish_reason"] == "stop"
+    echo = by_id[ids["completion_echo"]]
+    assert [o["scores_prompt"] for o in echo["outputs"]] == [True, True]
+    assert [o["scores_prompt"] for o in two["outputs"]] == [True, True]  # two prompts, n=1
     chat = by_id[ids["chat_json"]]
     assert chat["request"]["sampling_params"]["structured_outputs"] == {"json_object": True}
     assert chat["request"]["messages"] == [{"role": "user", "content": "json"}]
@@ -173,7 +181,7 @@ def test_verify_finds_every_request_identical(served_log, tmp_path):
     assert main(["verify", str(log), "--device", "cpu", "--no-progress", "--json",
                  str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["summary"]["identical"] == 10, report
+    assert report["summary"]["identical"] == 11, report
     assert report["summary"]["differing"] == report["summary"]["not_comparable"] == 0
 
 
