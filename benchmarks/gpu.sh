@@ -130,7 +130,7 @@ for step in "${steps[@]}"; do
                 gpu_tests gpu_tests_rest.log 45 tests/gpu/test_robust_gpu.py \
                   tests/gpu/test_structured_gpu.py tests/gpu/test_study_gpu.py \
                   tests/gpu/test_tensor_parallel_ops_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
-                  --durations=15 || status=1 ;;
+                  tests/gpu/test_audit_gpu.py --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
