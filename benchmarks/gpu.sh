@@ -26,6 +26,8 @@
 #                     first: the server's wheels)
 #                     evals (lm-eval's requests through `detlora serve` on SmolLM2: the server's
 #                     and lm-eval's wheels from .whl/, SmolLM2 as for study)
+#                     audit (the audit log: serving with and without it at concurrency 64,
+#                     detlora verify against offline; the server's wheels from .whl/)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
 #                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
@@ -128,7 +130,7 @@ for step in "${steps[@]}"; do
                 gpu_tests gpu_tests_rest.log 45 tests/gpu/test_robust_gpu.py \
                   tests/gpu/test_structured_gpu.py tests/gpu/test_study_gpu.py \
                   tests/gpu/test_tensor_parallel_ops_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
-                  --durations=15 || status=1 ;;
+                  tests/gpu/test_audit_gpu.py --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
@@ -230,6 +232,8 @@ for step in "${steps[@]}"; do
              || status=1 ;;
     serving) server_wheels
              python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
+    audit) server_wheels
+           python3 -m benchmarks.suites.audit --out "$OUT/audit.json" || status=1 ;;
     structured-tests) server_wheels
                       gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
                         || status=1 ;;

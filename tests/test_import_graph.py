@@ -30,9 +30,11 @@ LAYERS: dict[str, int] = {
     "detlora.lora": 5,
     "detlora.engine": 6,
     "detlora.decisions": 7,
+    "detlora.audit": 7,  # the audit log's format, writer, reader and entries
     "detlora.entrypoints": 8,
     "detlora": 9,  # the package's __init__: the public API
     "detlora.study": 10,  # product commands built on the public API
+    "detlora.audit.verify": 10,  # `detlora verify`: replays a log through LLM
     "detlora.entrypoints.cli": 11,
 }
 

@@ -181,6 +181,22 @@ def _is_evals(d: dict) -> bool:
                                                          "concurrency"} <= set(rows[0])
 
 
+def audit(d: dict) -> Headline:
+    """Serving tok/s with the audit log over without; verify's throughput over offline and
+    its verdicts."""
+    out: Headline = {"serving_with_log_vs_without": d.get("serving_ratio")}
+    for row in d.get("verify", []):
+        name = row.get("log", "log")
+        out[f"verify_{name}"] = f"{row['identical']}/{row['requests']} identical"
+        if row.get("vs_offline") is not None:
+            out[f"verify_{name}_vs_offline"] = _r(row["vs_offline"])
+    return out
+
+
+def _is_audit(d: dict) -> bool:
+    return "serving" in d and "verify" in d
+
+
 def _is_multi_lora(d: dict) -> bool:
     return "traffic" in d and "slot_cost" in d
 
@@ -222,6 +238,7 @@ LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] =
     (_is_profile, profile),
     (_is_run_ahead_cases, run_ahead_cases),
     (_is_evals, evals),
+    (_is_audit, audit),
 )
 
 

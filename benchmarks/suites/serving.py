@@ -227,11 +227,12 @@ def _free_port() -> int:
 
 
 def start_server(root: Path, plan: Plan, log: Path, compile_log: Path | None = None,
-                 engine_trace: Path | None = None) -> tuple[str, subprocess.Popen]:
+                 engine_trace: Path | None = None,
+                 extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """``detlora serve`` on the plan's assets; with ``compile_log`` its processes append their
     Triton compilations there (``benchmarks.harness.compile_events``), with ``engine_trace``
     its engine process writes its loop's timeline there at exit
-    (``benchmarks.harness.engine_trace``)."""
+    (``benchmarks.harness.engine_trace``); ``extra_args`` go to ``serve`` as they are."""
     import httpx
 
     port = _free_port()
@@ -242,7 +243,8 @@ def start_server(root: Path, plan: Plan, log: Path, compile_log: Path | None = N
            f"a0={root / 'adapter0'}", f"a1={root / 'adapter1'}",
            "--max-loras", str(a["max_loras"]), "--max-lora-rank", str(a["max_lora_rank"]),
            "--max-model-len", str(a["max_model_len"]), "--max-num-seqs",
-           str(a["max_num_seqs"]), "--max-queued-requests", "4096", "--log-level", "warning"]
+           str(a["max_num_seqs"]), "--max-queued-requests", "4096", "--log-level", "warning",
+           *extra_args]
     env = dict(os.environ)
     if compile_log is not None or engine_trace is not None:
         repo = Path(__file__).resolve().parents[2]

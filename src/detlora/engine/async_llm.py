@@ -118,6 +118,10 @@ class RequestStream:
             self._detok = IncrementalDetokenizer(tok.decode, hold_back=hold,
                                                  decode_one=llm._decode_one)
         self.fingerprint = llm.fingerprint_of(req.lora)
+        self.seed: int | None = None  # the sampling seed the engine runs it with, once accepted
+        # Called with every delta the engine sends, then once with None if the stream ends
+        # unfinished (aborted, failed): an audit log's recorder.
+        self.audit: Callable[[RequestStream, Delta | None], None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -143,8 +147,19 @@ class RequestStream:
         self._event.set()
         if self._on_delta is not None:
             self._on_delta(self, len(delta[1]))
+        if self.audit is not None:
+            self.audit(self, delta)
+            if delta[3] is not None:
+                self.audit = None
+
+    def _end_audit(self) -> None:
+        """Tell the recorder, once, that the stream ended without finishing."""
+        audit, self.audit = self.audit, None
+        if audit is not None:
+            audit(self, None)
 
     def _fail(self, error: BaseException) -> None:
+        self._end_audit()
         self._error = error
         if not self.accepted.done():
             self.accepted.set_exception(error)
@@ -247,6 +262,7 @@ class AsyncLLM:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._fingerprints: dict[int, str] = {}
+        self._adapter_hashes: dict[int, str | None] = {}
         self._num_unfinished = 0  # sequences added and not finished, aborted or refused
         self._dead: str | None = None
         self.on_delta: Callable[[RequestStream, int], None] | None = None  # metrics hook
@@ -342,6 +358,11 @@ class AsyncLLM:
             return self.info.base_fingerprint
         return self._fingerprints.get(lora.id, "")
 
+    def adapter_hash(self, lora: LoRARequest | None) -> str | None:
+        """The content hash of an adapter loaded with ``add_lora`` (None for the base model
+        or an adapter not loaded that way)."""
+        return None if lora is None else self._adapter_hashes.get(lora.id)
+
     @property
     def num_unfinished(self) -> int:
         return self._num_unfinished
@@ -429,6 +450,7 @@ class AsyncLLM:
             self._abort_unfinished(stream)
 
     def _abort_unfinished(self, stream: RequestStream) -> None:
+        stream._end_audit()
         if self._streams.get(stream.request_id) is stream:
             self._forget(stream)
             self._send(("abort", [stream.request_id]))
@@ -452,12 +474,14 @@ class AsyncLLM:
     async def add_lora(self, lora: LoRARequest) -> str:
         """Load and check an adapter; returns the fingerprint of its requests (ValueError
         with the reason when the adapter is refused)."""
-        fingerprint = await self._call("add_lora", lora)
+        fingerprint, digest = await self._call("add_lora", lora)
         self._fingerprints[lora.id] = fingerprint
+        self._adapter_hashes[lora.id] = digest
         return fingerprint
 
     async def remove_lora(self, lora_id: int) -> bool:
         self._fingerprints.pop(lora_id, None)
+        self._adapter_hashes.pop(lora_id, None)
         return await self._call("remove_lora", lora_id)
 
     async def reset_prefix_cache(self) -> bool:
@@ -505,10 +529,11 @@ class AsyncLLM:
             now = time.monotonic()
             if self.on_dispatch_delay is not None:
                 self.on_dispatch_delay(max(0.0, now - sent_at))
-            for rid, taken in accepted:
+            for rid, taken, seed in accepted:
                 s = streams.get(rid)
                 if s is not None and not s.accepted.done():
                     s.times.accepted = taken
+                    s.seed = seed
                     s.accepted.set_result(None)
             for rid, reason in rejected:
                 s = streams.get(rid)

@@ -9,8 +9,9 @@ GIL of one process would serialise both). Messages are pickled tuples over two p
 
 front end -> core
     ("add", AddRequest)       a request; the core answers with (its id, the monotonic time
-                              it took it) in ``accepted``, or with its id in ``rejected``
-                              (with the ValueError's message), in the next message
+                              it took it, the sampling seed it runs with) in ``accepted``,
+                              or with its id in ``rejected`` (with the ValueError's
+                              message), in the next message
     ("abort", [request ids])  drop them now, freeing their KV pages
     ("call", id, name, args)  ``add_lora``, ``remove_lora``, ``reset_prefix_cache``; answered
                               by ("result", id, ok, value)
@@ -34,7 +35,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -66,6 +67,8 @@ class EngineInfo:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     determinism: str
+    # engine_fingerprint_parts, for an audit log's records (engine/fingerprint.py)
+    fingerprint_parts: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class EngineCore:
         self.engine = engine
         self.conn_in = conn_in
         self.conn_out = conn_out
-        self._accepted: list[tuple[str, float]] = []
+        self._accepted: list[tuple[str, float, int]] = []
         self._rejected: list[tuple[str, str]] = []
         self._last_stats: EngineStats | None = None
         self._stop = False
@@ -136,13 +139,13 @@ class EngineCore:
         if kind == "add":
             req: AddRequest = msg[1]
             try:
-                self.engine.add_request(
+                seq = self.engine.add_request(
                     req.prompt_token_ids, req.params, lora=req.lora, request_id=req.request_id,
                     sample_index=req.sample_index, label_token_ids=req.label_token_ids)
             except ValueError as e:
                 self._rejected.append((req.request_id, str(e)))
             else:  # CLOCK_MONOTONIC is the host's: the front end compares it to its own
-                self._accepted.append((req.request_id, time.monotonic()))
+                self._accepted.append((req.request_id, time.monotonic(), seq.sample_seed))
         elif kind == "abort":
             ids = set(msg[1])
             sched = self.engine.scheduler
@@ -164,10 +167,10 @@ class EngineCore:
 
     # ---- calls ----
 
-    def call_add_lora(self, lora: LoRARequest) -> str:
+    def call_add_lora(self, lora: LoRARequest) -> tuple[str, str | None]:
         """Register an adapter and read and check it into the host cache ahead of traffic
         (no GPU slot is taken, so no running request's adapter is evicted); its requests'
-        fingerprint."""
+        fingerprint and its content hash."""
         engine = self.engine
         if engine.lora_manager is None:
             raise ValueError("the engine was started without LoRA (enable_lora)")
@@ -176,7 +179,7 @@ class EngineCore:
         except BaseException:
             engine.remove_lora(lora.id)
             raise
-        return engine.fingerprint_of(lora)
+        return engine.fingerprint_of(lora), engine.adapter_hash(lora)
 
     def call_remove_lora(self, lora_id: int) -> bool:
         return self.engine.remove_lora(lora_id)
@@ -262,7 +265,8 @@ def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArg
             max_model_len=engine.max_model_len, num_kv_blocks=engine.num_kv_blocks,
             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             eos_token_ids=engine.eos_token_ids,
-            determinism=Determinism(engine.determinism).value)
+            determinism=Determinism(engine.determinism).value,
+            fingerprint_parts=engine.fingerprint_parts)
     except Exception as e:  # e.g. a bad model directory: the front end reports it
         conn_out.send(("failed", f"{type(e).__name__}: {e}"))
         return

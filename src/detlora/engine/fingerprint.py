@@ -115,3 +115,35 @@ def fingerprint(parts: Mapping[str, Any], adapter_hash: str | None) -> str:
     """16 hex digits over the engine's parts and the request's adapter hash."""
     blob = json.dumps({**parts, "adapter": adapter_hash}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# The fingerprint's inputs by name, in the order a mismatch is reported: the first ones say
+# the two runs cannot be compared at all (another level, device, library or code), the last
+# ones which artifact (weights, adapter) or engine setting differs.
+FIELDS = ("level", "device", "versions", "source", "dtype", "lora_reduction", "kernels",
+          "settings", "weights", "adapter")
+
+
+def _digest16(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint_fields(parts: Mapping[str, Any], adapter_hash: str | None) -> dict[str, str]:
+    """The inputs of :func:`fingerprint`, one string each (nested ones as a 16-hex digest), so
+    that two outputs whose fingerprints differ can say which input did. Equal fields give
+    equal fingerprints."""
+    backend = dict(parts["backend"])
+    level = str(backend.pop("determinism", "unknown"))
+    reduction = str(backend.pop("lora_reduction", "unknown"))
+    return {
+        "level": level,
+        "device": ", ".join(f"{k}={v}" for k, v in sorted(parts["device"].items())),
+        "versions": ", ".join(f"{k}={v}" for k, v in sorted(parts["versions"].items())),
+        "source": str(parts["source"]),
+        "dtype": str(parts["dtype"]),
+        "lora_reduction": reduction,
+        "kernels": _digest16(backend),
+        "settings": _digest16(parts["settings"]),
+        "weights": str(parts["weights"]),
+        "adapter": adapter_hash or "none",
+    }

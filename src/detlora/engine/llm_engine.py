@@ -941,6 +941,18 @@ class LLMEngine:
             known = self._fingerprints[adapter] = fingerprint(self._fingerprint_parts, adapter)
         return known
 
+    @property
+    def fingerprint_parts(self) -> dict:
+        """What the engine puts into every fingerprint (``engine_fingerprint_parts``): an
+        audit log records it, so a mismatch can name the input that differs."""
+        return self._fingerprint_parts
+
+    def adapter_hash(self, lora: LoRARequest | None) -> str | None:
+        """The content hash of a loaded adapter (None for the base model)."""
+        if lora is None or self.lora_manager is None:
+            return None
+        return self.lora_manager.adapter_hash(lora.lora_int_id)
+
     def _output_fingerprint(self, seq: Seq) -> str:
         """``fingerprint_of`` the request's adapter; one that never loaded (the request
         failed) has no content hash, so its path stands in for it."""

@@ -159,6 +159,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from detlora.entrypoints.openai.cli_args import run_serve
 
     return run_serve(args)
+def _cmd_verify(args: argparse.Namespace) -> int:
+    _prepare_runtime()
+    from detlora.audit.format import parse_time
+    from detlora.audit.verify import VerifyOptions, engine_overrides, verify, write_json
+    from detlora.entrypoints.openai.cli_args import lora_modules
+
+    options = VerifyOptions(
+        model=args.model, engine=engine_overrides(vars(args)),
+        lora_modules=dict(lora_modules(args.lora_modules or [])), inputs=args.inputs,
+        sample=args.sample, sample_seed=args.sample_seed,
+        since=parse_time(args.since) if args.since else None,
+        until=parse_time(args.until) if args.until else None, batch_size=args.batch_size,
+        progress=False if args.no_progress else None)
+    report = verify(args.log, options)
+    if args.json:
+        write_json(report, args.json)
+    print(report.render(), file=sys.stderr if args.json == "-" else sys.stdout)
+    return report.exit_status
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with usage errors on one line: what is wrong, and where help is."""
 
@@ -313,6 +333,36 @@ def build_parser() -> argparse.ArgumentParser:
                                      "decisions; adapters as models)")
     add_serve_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    v = sub.add_parser("verify", help="replay an audit log (serve --audit-log, LLM(audit_log=)) "
+                                      "and check every answer bit for bit")
+    v.add_argument("log", nargs="+", metavar="LOG",
+                   help="audit log directories or files")
+    v.add_argument("--model", default=None,
+                   help="the model to load (default: the one the log names)")
+    v.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="adapters by the name the log gives them (default: the paths it "
+                        "names)")
+    v.add_argument("--inputs", metavar="FILE.jsonl", default=None,
+                   help='for a hash-only log: {"id": ..., "prompts": [[token ids], ...]} per '
+                        "request, checked against the logged hashes, then replayed")
+    v.add_argument("--sample", type=_int_at_least(1), default=None, metavar="N",
+                   help="check N requests drawn at random")
+    v.add_argument("--sample-seed", type=_int_at_least(0), default=0)
+    v.add_argument("--since", default=None, metavar="TIME",
+                   help="requests that finished at or after TIME (ISO date or date-time, UTC)")
+    v.add_argument("--until", default=None, metavar="TIME", help="... and before TIME")
+    v.add_argument("--batch-size", type=_int_at_least(1), default=None, metavar="N",
+                   help="engine requests in flight at once (default: all; any size gives "
+                        "the same bits at batch_invariant)")
+    v.add_argument("--json", default=None, metavar="FILE",
+                   help="write the report as JSON to FILE ('-': stdout)")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(v, exclude=("model",))
+    v.set_defaults(func=_cmd_verify)
+    v.epilog = ("Engine options override the log's where they differ from their defaults. "
+                "Exit status: 0 when every comparable request is identical (and at least one "
+                "was compared), 1 otherwise, 2 for a usage error.")
 
     st = sub.add_parser("study", help="the paper's reproducibility study on a model and "
                                       "adapter: study.json, study.md and figures")

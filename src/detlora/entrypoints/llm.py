@@ -42,7 +42,11 @@ class Decision:
 
 
 class LLM:
-    def __init__(self, model: str | Path, **kwargs: Any) -> None:
+    def __init__(self, model: str | Path, *, audit_log: str | Path | None = None,
+                 audit_log_hash_only: bool = False, **kwargs: Any) -> None:
+        """``audit_log``: a directory that gets one JSON line per finished prompt of
+        ``generate``/``chat`` and per ``decide`` call (``detlora verify`` replays it);
+        ``audit_log_hash_only``: hashes instead of token ids and texts there."""
         args = EngineArgs.from_kwargs("LLM()", model=str(model), **kwargs)
         self.engine_args = args
         # A Hub id or a .gguf file becomes a local model directory (downloaded or converted
@@ -62,6 +66,16 @@ class LLM:
             extra_eos_token_ids=tok.eos_token_ids if tok else (),
             tokenizer=tok,
         )
+        self._audit = None
+        if audit_log is not None:
+            from detlora.audit.records import AuditRecorder
+            from detlora.audit.writer import AuditConfig
+
+            self._audit = AuditRecorder(
+                AuditConfig(str(audit_log), hash_only=audit_log_hash_only), model=args.model,
+                engine_args=args, fingerprint_parts=self.engine.fingerprint_parts, writer="LLM")
+        elif audit_log_hash_only:
+            raise ValueError("audit_log_hash_only needs audit_log=DIR")
 
     @property
     def config(self) -> EngineArgs:
@@ -97,8 +111,10 @@ class LLM:
 
     def shutdown(self) -> None:
         """Release the engine's model, KV cache and graphs now (vLLM's ``shutdown``); the
-        LLM cannot generate afterwards."""
+        LLM cannot generate afterwards. The audit log, if any, is written out and closed."""
         self.engine.shutdown()
+        if getattr(self, "_audit", None) is not None:
+            self._audit.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -156,6 +172,8 @@ class LLM:
             for (ids, text), sp, lr in zip(encoded, final, loras, strict=True)
         ]
         outs = self._run([s for g in groups for s in g], use_tqdm)
+        if self._audit is not None:
+            self._audit_generate(parsed, encoded, params, loras, groups, outs)
         merged, at = [], 0
         for g in groups:  # one RequestOutput per prompt, its n completions indexed 0..n-1
             first, *rest = outs[at: at + len(g)]
@@ -225,6 +243,19 @@ class LLM:
         seqs = [self.engine.add_request(r.prompt_token_ids, sp, lora=lora_request,
                                         label_token_ids=r.label_token_ids) for r in reads]
         outs = self._run(seqs, use_tqdm=False)
+        if self._audit is not None:
+            entry = self._audit.entry(
+                "decide", _new_id("decide"), lora=lora_request,
+                adapter_hash=self._adapter_hash(lora_request),
+                fingerprint_value=outs[0].fingerprint,
+                prompts=[(r.prompt_token_ids, None) for r in reads], params=sp,
+                decision={"reads": reads, "state": state, "instructions": instructions})
+            for q, (r, seq, out) in enumerate(zip(reads, seqs, outs, strict=True)):
+                comp = out.outputs[0]
+                entry.choice(q, q, r.label_token_ids).fill(
+                    seq.sample_seed, comp.token_ids, comp.finish_reason, None,
+                    label_logprobs=out.label_logprobs)
+            entry.seal()
         answers = {}
         for r, out in zip(reads, outs, strict=True):
             if out.outputs[0].finish_reason == "error":  # non-finite logits, a bad adapter
@@ -236,6 +267,34 @@ class LLM:
         cached = sum(o.num_cached_tokens for o in outs)
         return Decision(answers=answers, prompt_tokens=prompt_tokens, cached_tokens=cached,
                         fingerprint=outs[0].fingerprint)
+
+    def _adapter_hash(self, lora: LoRARequest | None) -> str | None:
+        try:
+            return self.engine.adapter_hash(lora)
+        except ValueError:  # never loaded: its requests failed
+            return None
+
+    def _audit_generate(self, parsed: list[Prompt], encoded: list[tuple[list[int], str | None]],
+                        params: list[SamplingParams], loras: list[LoRARequest | None],
+                        groups: list[list[Any]], outs: list[RequestOutput]) -> None:
+        """One audit line per prompt, its n completions as its outputs."""
+        assert self._audit is not None
+        at = 0
+        for p, (ids, text), sp, lr, group in zip(parsed, encoded, params, loras, groups,
+                                                  strict=True):
+            route = "chat" if p.messages is not None else "generate"
+            mine = outs[at: at + len(group)]
+            at += len(group)
+            entry = self._audit.entry(route, _new_id(route), lora=lr,
+                                      adapter_hash=self._adapter_hash(lr),
+                                      fingerprint_value=mine[0].fingerprint,
+                                      prompts=[(ids, text)], params=sp, messages=p.messages)
+            for i, (seq, out) in enumerate(zip(group, mine, strict=True)):
+                comp = out.outputs[0]
+                entry.choice(0, i, scores_prompt=i == 0).fill(
+                    seq.sample_seed, comp.token_ids, comp.finish_reason, comp.logprobs,
+                    out.prompt_logprobs)
+            entry.seal()
 
     def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -294,11 +353,22 @@ class _Progress:
         self.bar.close()
 
 
+def _new_id(prefix: str) -> str:
+    import uuid
+
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
 def _signature() -> inspect.Signature:
-    """``LLM.__init__``'s signature as ``help()`` and editors show it: the engine arguments."""
+    """``LLM.__init__``'s signature as ``help()`` and editors show it: the engine arguments
+    and the audit log's."""
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
               inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                annotation="str | Path")]
+                                annotation="str | Path"),
+              inspect.Parameter("audit_log", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation="str | Path | None"),
+              inspect.Parameter("audit_log_hash_only", inspect.Parameter.KEYWORD_ONLY,
+                                default=False, annotation="bool")]
     for f in dataclasses.fields(EngineArgs):
         if f.name != "model":
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,

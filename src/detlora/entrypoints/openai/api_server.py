@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from detlora.audit.records import AuditRecorder
 from detlora.engine.async_llm import AsyncLLM
 from detlora.engine_args import EngineArgs
 from detlora.entrypoints.openai.direct_routes import DirectRoute, DirectRoutes
@@ -77,17 +78,20 @@ class _CountStatus:
         await self.app(scope, receive, counting_send)
 
 
-def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig) -> Any:
+def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig,
+              audit: AuditRecorder | None = None) -> Any:
     """The ASGI application: FastAPI (its generation routes' POSTs answered directly,
-    ``direct_routes``) inside the guard and the status counter."""
+    ``direct_routes``) inside the guard and the status counter. ``audit``: the audit log
+    every finished request and decision goes to."""
     app = FastAPI(title="detlora", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(llm, config.served_model_name)
+    metrics = ServerMetrics(llm, config.served_model_name,
+                            audit=audit.stats if audit is not None else None)
     app.state.config = config
     app.state.llm = llm
     app.state.metrics = metrics
-    completions = ServingCompletion(llm, models, config, metrics)
-    chat = ServingChat(llm, models, config, metrics)
-    decisions = ServingDecisions(llm, models, config, metrics)
+    completions = ServingCompletion(llm, models, config, metrics, audit)
+    chat = ServingChat(llm, models, config, metrics, audit)
+    decisions = ServingDecisions(llm, models, config, metrics, audit)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -188,7 +192,18 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
     llm = await AsyncLLM.start(
         engine_config, tokenizer_dir=tokenizer_dir,
         max_unfinished=engine_config.max_num_seqs + config.max_queued_requests)
+    audit = None
     try:
+        if config.audit_log is not None:
+            from detlora.audit.writer import AuditConfig
+
+            audit = AuditRecorder(
+                AuditConfig(config.audit_log, hash_only=config.audit_log_hash_only,
+                            max_bytes=config.audit_log_max_bytes),
+                model=config.served_model_name, engine_args=engine_config,
+                fingerprint_parts=llm.info.fingerprint_parts, writer="detlora serve")
+            logger.info("audit log: %s%s", config.audit_log,
+                        " (hashes only)" if config.audit_log_hash_only else "")
         models = ServingModels(llm, config.served_model_name, lora_root=config.lora_root,
                                enable_loading=config.enable_lora_loading)
         for name, path in config.lora_modules:
@@ -196,7 +211,7 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
                 await models.add(name, path, trusted=True)
             except OpenAIError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
-        app = build_app(llm, models, config)
+        app = build_app(llm, models, config, audit)
         uv = uvicorn.Server(uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=max(1, int(config.graceful_timeout)),
@@ -208,6 +223,8 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
         await uv.serve(sockets=[sock])
     finally:
         await llm.shutdown(drain=False)
+        if audit is not None:  # what the last requests left in its queue, then synced
+            audit.close()
 
 
 def run_server(engine_config: EngineArgs, config: ServerConfig,

@@ -46,9 +46,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     s.add_argument("--log-level", default="warning")
+    a = p.add_argument_group("audit log (detlora verify replays it)")
+    a.add_argument("--audit-log", metavar="DIR", default=None,
+                   help="append one JSON line per finished request or decision to files in "
+                        "DIR (created with mode 0700, files 0600)")
+    a.add_argument("--audit-log-hash-only", action="store_true",
+                   help="keep hashes instead of prompt and output token ids and texts: "
+                        "checkable against inputs you keep yourself (detlora verify "
+                        "--inputs), not replayable alone")
+    a.add_argument("--audit-log-max-mb", type=float, default=256.0,
+                   help="start the next file when one reaches this size (MiB; files also "
+                        "start anew each UTC day)")
 
 
-def _lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+def lora_modules(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """NAME=DIR pairs (ValueError for a bad one, a name given twice, a missing directory)."""
     seen: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -69,7 +81,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"model directory {args.model} does not exist")
-        modules = _lora_modules(args.lora_modules)
+        if args.audit_log is not None:  # a directory it cannot write: now, not after loading
+            from detlora.audit.writer import prepare_directory
+
+            prepare_directory(args.audit_log)
+        if not args.audit_log_max_mb > 0:
+            raise ValueError(f"--audit-log-max-mb must be > 0, got {args.audit_log_max_mb}")
+        modules = lora_modules(args.lora_modules)
         lora = bool(modules) or args.enable_lora or args.enable_lora_loading
         engine = EngineArgs.from_cli_args(args, model=args.model, enable_lora=lora)
         server = ServerConfig(
@@ -81,7 +99,9 @@ def run_serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens_limit, max_n=args.max_n, max_logprobs=args.max_logprobs,
             max_questions=args.max_questions, cors_origins=tuple(args.allowed_origins),
-            graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+            graceful_timeout=args.graceful_timeout, log_level=args.log_level,
+            audit_log=args.audit_log, audit_log_hash_only=args.audit_log_hash_only,
+            audit_log_max_bytes=max(1, int(args.audit_log_max_mb * (1 << 20))))
         from detlora.entrypoints.openai.api_server import run_server
 
         return run_server(engine, server, tokenizer_dir=args.tokenizer)
@@ -90,4 +110,4 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-__all__ = ["add_serve_args", "run_serve"]
+__all__ = ["add_serve_args", "lora_modules", "run_serve"]

@@ -17,9 +17,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from detlora.audit.writer import LATENCY_BUCKETS, AuditStats
 from detlora.engine.async_llm import AsyncLLM, RequestStream
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -43,12 +44,44 @@ class _EngineIdle(Collector):
             "limit)", value=self.llm.engine_idle_seconds())]
 
 
+class _AuditLog(Collector):
+    """The audit log writer's counters, read at scrape time: lines and bytes written, lines
+    dropped (a full queue; must stay 0), entries waiting, and the time from a request's end
+    to its line being written."""
+
+    def __init__(self, stats: AuditStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> list:
+        s = self.stats
+        buckets, total = [], 0
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), s.latency_counts,
+                                strict=True):
+            total += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
+        return [
+            CounterMetricFamily("detlora:audit_lines_written", "Audit log lines written",
+                                value=s.lines_written),
+            CounterMetricFamily("detlora:audit_bytes_written", "Audit log bytes written",
+                                value=s.bytes_written),
+            CounterMetricFamily("detlora:audit_lines_dropped", "Audit log lines dropped (the "
+                                "writer's queue was full, or a line could not be written)",
+                                value=s.lines_dropped),
+            GaugeMetricFamily("detlora:audit_files", "Audit log files opened", value=s.files),
+            HistogramMetricFamily("detlora:audit_write_seconds", "From a request's end to its "
+                                  "audit log line being written", buckets=buckets,
+                                  sum_value=s.latency_sum),
+        ]
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, model_name: str, audit: AuditStats | None = None) -> None:
         self.llm = llm
         r = self.registry = CollectorRegistry()
+        if audit is not None:
+            r.register(_AuditLog(audit))
         labels = {"model_name": model_name}
         self.http_requests = Counter("detlora:http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=r)

@@ -34,6 +34,11 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     graceful_timeout: float = 30.0
     log_level: str = "warning"
+    # The audit log (detlora.audit): a directory, whether it keeps hashes only, and the size
+    # at which it starts its next file.
+    audit_log: str | None = None
+    audit_log_hash_only: bool = False
+    audit_log_max_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_request_bytes", "max_n", "max_logprobs",
@@ -50,6 +55,8 @@ class ServerConfig:
                              "from under it")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
+        if self.audit_log_hash_only and self.audit_log is None:
+            raise ValueError("--audit-log-hash-only needs --audit-log DIR")
 
 
 __all__ = ["ServerConfig"]

@@ -47,8 +47,9 @@ class ServingChat(OpenAIServing):
             raise bad_request("tools are not supported", "tools")
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer, so chat is not available")
+        messages = self._messages(req)
         try:
-            ids = self.tokenizer.encode_chat(self._messages(req), req.add_generation_prompt)
+            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         except Exception as e:  # a template that fails on these messages
@@ -63,7 +64,9 @@ class ServingChat(OpenAIServing):
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid = random_id("chatcmpl")
         model = req.model or self.models.base_name
-        streams = await self.open_streams([(ids, None)], params, lora, rid)
+        streams = await self.open_streams(
+            [(ids, None)], params, lora, rid,
+            audit=self.audit_entry("chat", rid, lora, [(ids, None)], params, messages=messages))
         fingerprint = self.fingerprint(lora)
         if req.stream:
             return SSEResponse(self._stream(req, streams, rid, model, fingerprint, len(ids)))

@@ -63,8 +63,9 @@ class ServingCompletion(OpenAIServing):
         rid = random_id("cmpl")
         model = req.model or self.models.base_name
         # Echo shows every choice its prompt's logprobs: each completion scores its prompt.
-        streams = await self.open_streams(prompts, params, lora, rid,
-                                          score_every_prompt=echo.echo)
+        streams = await self.open_streams(
+            prompts, params, lora, rid, score_every_prompt=echo.echo,
+            audit=self.audit_entry("completions", rid, lora, prompts, params))
         fingerprint = self.fingerprint(lora)
         texts = [self._prompt_text(ids, text) if echo.echo else "" for ids, text in prompts]
         if req.stream:

@@ -39,9 +39,13 @@ class ServingDecisions(OpenAIServing):
         for r in reads:
             self.check_prompt(r.prompt_token_ids, f"question {r.question.id!r}")
         rid = random_id("decision")
+        prompts = [(r.prompt_token_ids, None) for r in reads]
+        audit = self.audit_entry("systemone" if systemone else "decisions", rid, lora, prompts,
+                                 _READ, decision={"reads": reads, "state": req.state,
+                                                  "instructions": instructions})
         streams = await self.open_streams(
-            [(r.prompt_token_ids, None) for r in reads], _READ, lora, rid,
-            label_token_ids=[r.label_token_ids for r in reads])
+            prompts, _READ, lora, rid, label_token_ids=[r.label_token_ids for r in reads],
+            audit=audit)
         outs = await run_until_disconnect(request, self.collect(streams))
         if outs is None:
             return Response(status_code=499)

@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from detlora.audit.records import AuditEntry, AuditRecorder
 from detlora.config import SamplingParams, StructuredOutputsParams
 from detlora.engine.async_llm import (
     AsyncLLM,
@@ -44,11 +45,12 @@ def random_id(prefix: str) -> str:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, models: ServingModels, config: ServerConfig,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, audit: AuditRecorder | None = None) -> None:
         self.llm = llm
         self.models = models
         self.config = config
         self.metrics = metrics
+        self.audit = audit
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.info.max_model_len
         self.vocab_size = llm.info.vocab_size
@@ -58,6 +60,18 @@ class OpenAIServing:
 
     def fingerprint(self, lora: LoRARequest | None) -> str:
         return self.llm.fingerprint_of(lora)
+
+    def audit_entry(self, route: str, request_id: str, lora: LoRARequest | None,
+                    prompts: Sequence[tuple[list[int], str | None]], params: SamplingParams,
+                    **extra: Any) -> AuditEntry | None:
+        """The audit log's entry for a request (None without ``--audit-log``): handed to
+        ``open_streams``, written when its last choice ends."""
+        if self.audit is None:
+            return None
+        return self.audit.entry(route, request_id, lora=lora,
+                                adapter_hash=self.llm.adapter_hash(lora),
+                                fingerprint_value=self.fingerprint(lora), prompts=prompts,
+                                params=params, **extra)
 
     def check_prompt(self, ids: Sequence[int], where: str = "prompt") -> None:
         if not ids:
@@ -155,11 +169,13 @@ class OpenAIServing:
         lora: LoRARequest | None, request_id: str,
         label_token_ids: Sequence[Sequence[int]] | None = None,
         score_every_prompt: bool = False,
+        audit: AuditEntry | None = None,
     ) -> list[RequestStream]:
         """Add ``n`` engine requests per prompt (prompt-major order); 503 when the server is
         full, 400 when the engine refuses one. All or nothing: on an error the ones added
         are aborted. Completion 0 of a prompt scores it (``prompt_logprobs``), or with
-        ``score_every_prompt`` each of the n (equal bits: the engine is batch-invariant)."""
+        ``score_every_prompt`` each of the n (equal bits: the engine is batch-invariant).
+        ``audit``: each stream feeds one choice of this entry."""
         total = len(prompts) * params.n
         try:
             self.llm.check_capacity(total)
@@ -176,9 +192,15 @@ class OpenAIServing:
             for p, (ids, text) in enumerate(prompts):
                 labels = None if label_token_ids is None else label_token_ids[p]
                 for i in range(params.n):
-                    streams.append(self.llm.submit(
+                    stream = self.llm.submit(
                         f"{request_id}-{p}-{i}", ids, params if i == 0 else later, lora=lora,
-                        sample_index=i, label_token_ids=labels, prompt=text))
+                        sample_index=i, label_token_ids=labels, prompt=text)
+                    if audit is not None:
+                        stream.audit = audit.choice(p, p * params.n + i, labels,
+                                                    scores_prompt=i == 0 or score_every_prompt)
+                    streams.append(stream)
+            if audit is not None:
+                audit.seal()
             for stream in streams:
                 await self.llm.wait_accepted(stream)
         except ValueError as e:
