@@ -22,11 +22,67 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
+# Adapter targets of the families whose HF modules fuse q|k|v and gate|up.
+FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+# The bases of issue 45 at widths real models have, not powers of two (hidden 96, MLP 200).
+BASES = ("qwen2", "mistral", "phi3")
+
+
+def longrope_parameters(head_dim: int, original: int, seed: int = 3) -> dict:
+    """Phi-3 LongRoPE rotary fields with random short (near 1) and long (1-8) factors."""
+    g = torch.Generator().manual_seed(seed)
+    half = head_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + 0.2 * torch.rand(half, generator=g)).tolist(),
+            "long_factor": (1 + 7 * torch.rand(half, generator=g)).tolist(),
+            "original_max_position_embeddings": original}
+
+
+def make_base_checkpoint(path: Path, arch: str, *, seed: int = 0, **overrides) -> Path:
+    """A random tiny Qwen2 (q/k/v biases drawn large), Mistral (head_dim 32, not hidden /
+    heads) or Phi-3 (fused qkv_proj / gate_up_proj) checkpoint, saved by transformers."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, vocab_size=320,
+                  max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**{**common, "rope_theta": 1e6, **overrides}))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**{
+            **common, "num_attention_heads": 4, "head_dim": 32, "sliding_window": None,
+            **overrides}))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**{**common, **overrides}))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # random norm weights: a dropped norm shows
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("_proj.bias"):  # biases that move logits far past tolerance
+                p.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
 def make_checkpoint(path: Path, arch: str, *, tie: bool = False, rope_scaling: bool = False,
                     seed: int = 0, **overrides) -> Path:
     """Save a random tiny model (hidden 64, 2 layers, GQA 4/2) with save_pretrained."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    if arch in BASES:
+        return make_base_checkpoint(path, arch, seed=seed, tie_word_embeddings=tie,
+                                    **overrides)
     torch.manual_seed(seed)
     # A larger init than HF's 0.02 so attention is far from uniform and errors show.
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -276,6 +276,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else None,
+            position_offset=(self.model.position_offset if self.model.position_offsets_vary
+                             else None),
         )
         eos = list(stop_token_ids_of(self.model_dir))
         eos += [t for t in extra_eos_token_ids if t not in eos]
@@ -795,6 +797,7 @@ class LLMEngine:
             return None
         rows = {id(seq): r for r, seq in enumerate(current.seqs)}
         block_size = self.block_manager.block_size
+        offset = self.scheduler.position_offset
         pages = 0
         for seq in running:
             length = len(seq.token_ids)  # with the unread token
@@ -802,6 +805,8 @@ class LLMEngine:
                 id(seq) not in rows
                 or length - seq.num_computed != 1  # its pending tokens
                 or length >= seq.max_len  # max_tokens or max_model_len
+                # LongRoPE past its original context: recomputed once its token is read.
+                or (offset is not None and offset(length) != seq.position_offset)
             ):
                 return None
             pages += max(0, -(-length // block_size) - len(seq.block_table))  # blocks_needed

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         *,
         backend: OpBackend,
         bias: bool = False,
+        o_bias: bool | None = None,
         qk_norm_eps: float | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -65,7 +66,9 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             hidden_size, (num_heads * head_dim, full_kv, full_kv),
             shards=(q_rows, kv_rows, kv_rows), **common)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, **common)
+        # ``bias`` is q/k/v's, ``o_bias`` o_proj's (None: the same; False: q/k/v only).
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size,
+                                        **{**common, "bias": bias if o_bias is None else o_bias})
         self.rotary = rotary
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None

@@ -22,7 +22,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -82,7 +83,8 @@ class LoRAManager:
         # The converter, not the manager, goes to the reader threads: no reference cycle
         # keeps the model alive once the engine is dropped.
         self.convert = AdapterConverter(tuple(self._linears), self._target_shapes,
-                                        self.max_rank, self.dtype)
+                                        self.max_rank, self.dtype,
+                                        MappingProxyType(model.lora_fused_targets()))
         self.host = HostAdapterCache(
             self.convert, dtype=self.dtype, max_adapters=max_cpu_loras,
             max_bytes=default_max_bytes() if max_cpu_bytes is None else max_cpu_bytes,
@@ -308,9 +310,11 @@ class AdapterConverter:
     target_shapes: Mapping[str, tuple[int, int]]
     max_rank: int
     dtype: torch.dtype
+    fused: Mapping[str, tuple[str, ...]] = field(  # lora_fused_targets()
+        default_factory=lambda: MappingProxyType({}))
 
     def __call__(self, req: LoRARequest) -> ConvertedAdapter:
-        adapter = load_peft_adapter(req.path, self.target_shapes, self.max_rank)
+        adapter = load_peft_adapter(req.path, self.target_shapes, self.max_rank, self.fused)
         self._check_fusable(adapter)
         pieces: list[ImagePiece] = []
         tensors: list[torch.Tensor] = []

@@ -1,7 +1,10 @@
 """Read a PEFT LoRA adapter directory and check it against the base model.
 
 Supported: ``adapter_config.json`` + ``adapter_model.safetensors``; targets among q/k/v/o and
-gate/up/down projections (any subset, any layers: untargeted modules get no update);
+gate/up/down projections (any subset, any layers: untargeted modules get no update), and
+the fused modules of models whose HF layout fuses them (Phi-3's qkv_proj, gate_up_proj: one A
+and one B spanning the slices, returned as one module per slice with B's rows split and A
+shared, which computes the same update);
 ``lora_alpha / r`` scaling, or ``lora_alpha / sqrt(r)`` with ``use_rslora``; per-module
 ranks and alphas through ``rank_pattern`` / ``alpha_pattern``; ``layers_to_transform`` and
 ``layers_pattern`` (patterns matched as PEFT matches them, at a bounded cost:
@@ -32,7 +35,8 @@ from detlora.models.finite_weights import check_finite
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "qkv_proj", "gate_up_proj")
 
 # adapter_config.json fields whose non-empty values change the forward pass in ways the
 # engine does not implement: field -> what to tell the user.
@@ -59,10 +63,12 @@ MAX_RANK_VALUE = 1 << 16  # no LoRA rank is larger than a model's width
 
 
 def load_peft_adapter(
-    path: str | Path, target_shapes: Mapping[str, tuple[int, int]], max_rank: int
+    path: str | Path, target_shapes: Mapping[str, tuple[int, int]], max_rank: int,
+    fused: Mapping[str, tuple[str, ...]] | None = None,
 ) -> LoRAAdapter:
     """Load and check an adapter. ``target_shapes`` maps every module the base model allows
-    as a target to its (in_features, out_features); ``max_rank`` is the engine's limit."""
+    as a target to its (in_features, out_features); ``max_rank`` is the engine's limit;
+    ``fused`` maps a fused module's name to its slices' names (``lora_fused_targets``)."""
     path = Path(path)
     cfg = _read_config(path)
     _check_config(cfg, path)
@@ -79,9 +85,11 @@ def load_peft_adapter(
         if module not in target_shapes and f"model.{module}" in target_shapes:
             module = f"model.{module}"  # trained on the bare decoder (LlamaModel), no LM head
         if module not in target_shapes:
+            names = [t for t in SUPPORTED_TARGETS
+                     if any(n.endswith(f".{t}") for n in target_shapes)]
             raise ValueError(f"{where}: tensor {key!r} targets {module!r}, which is not a "
                              f"supported LoRA target of this model (supported: "
-                             f"{', '.join(SUPPORTED_TARGETS)} in each decoder layer)")
+                             f"{', '.join(names)} in each decoder layer)")
         if ab in pairs.setdefault(module, {}):
             raise ValueError(f"{where}: lora_{ab} of {module!r} appears twice")
         pairs[module][ab] = t
@@ -121,8 +129,32 @@ def load_peft_adapter(
                              f"{max_rank} (raise max_lora_rank)")
         scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         modules[module] = LoRAModuleWeights(a=a, b=b, scale=float(scale))
-    frozen = MappingProxyType(modules)
-    return LoRAAdapter(path=str(path), modules=frozen, hash=adapter_hash(frozen))
+    digest = adapter_hash(modules)  # of the tensors as stored
+    if fused:
+        modules = _split_fused(modules, fused, target_shapes, where)
+    return LoRAAdapter(path=str(path), modules=MappingProxyType(modules), hash=digest)
+
+
+def _split_fused(modules: Mapping[str, LoRAModuleWeights], fused: Mapping[str, tuple[str, ...]],
+                 target_shapes: Mapping[str, tuple[int, int]],
+                 where: str) -> dict[str, LoRAModuleWeights]:
+    """Each fused module as its slices: y_s += scale * (x A^T) B_s^T with B_s the slice's rows
+    of B, which is the fused update cut along its output axis."""
+    out = {name: m for name, m in modules.items() if name not in fused}
+    for name, m in modules.items():
+        if name not in fused:
+            continue
+        parts = fused[name]
+        both = [part for part in parts if part in modules]
+        if both:
+            raise ValueError(f"{where}: {name!r} and its slice {both[0]!r} are both targeted "
+                             "(an adapter targets the fused module or its slices, not both)")
+        start = 0
+        for part in parts:
+            rows = target_shapes[part][1]
+            out[part] = LoRAModuleWeights(a=m.a, b=m.b[start:start + rows], scale=m.scale)
+            start += rows
+    return out
 
 
 def _read_config(path: Path) -> dict[str, Any]:

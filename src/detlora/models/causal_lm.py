@@ -14,6 +14,8 @@ The engine (``engine/``) talks to a model through these methods only:
     model.hidden_states(batch), model.compute_logits(h)   # the same in two steps
     model.weights_hash()                     # for fingerprints
     model.lora_linears(), model.lora_target_shapes()      # for the LoRA manager
+    model.lora_fused_targets()               # HF modules spanning several slices (Phi-3)
+    model.position_offset(len(seq))          # added to a sequence's positions (LongRoPE)
 
 With a tensor-parallel group (``tp``) the model is this rank's shard: attention heads, MLP
 columns and vocabulary rows split over the ranks (layers/parallel_linear.py,
@@ -27,7 +29,8 @@ captured in a CUDA graph around static ForwardBatch tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -51,6 +54,8 @@ from detlora.layers.vocab_parallel import (
 )
 from detlora.models.kv_cache import KVCache
 from detlora.models.spec import ModelSpec
+from detlora.models.windows import attention_windows
+from detlora.ops.longrope import longrope_offsets_vary, longrope_position_offset
 
 # PEFT names of the projections an adapter may target, per fused layer.
 QKV_MODULES = ("q_proj", "k_proj", "v_proj")
@@ -67,6 +72,9 @@ class DecoderForCausalLM(nn.Module):
     """
 
     architecture: ClassVar[str]
+    # HF module (under model.layers.N.) -> the slices of ours it holds, in row order: its
+    # checkpoint weight is split at load, an adapter's B rows are split by slice (A shared).
+    fused_modules: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -97,13 +105,16 @@ class DecoderForCausalLM(nn.Module):
         kw = dict(backend=backend, dtype=self.dtype, device=device)
         par = dict(kw, tp=self.tp)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, **par)
+        # Per layer: the sliding window to apply (refused for now where it would matter).
+        self.windows = attention_windows(spec, self.max_positions)
         # One cos/sin table shared by every layer.
         rotary = RotaryEmbedding(spec.head_dim, self.max_positions, spec.rope_theta,
                                  spec.rope_scaling, backend=backend, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                          rotary, bias=spec.attention_bias,
+                          rotary, bias=spec.attention_bias or spec.qkv_bias,
+                          o_bias=spec.attention_bias,
                           qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
                           lora=lora, **par),
                 GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
@@ -160,6 +171,19 @@ class DecoderForCausalLM(nn.Module):
             self.bind_kv_cache(kv_caches)
         h = self.hidden_states(batch)
         return self.compute_logits(h.index_select(0, batch.logits_indices), upcast=upcast)
+
+    def position_offset(self, length: int) -> int:
+        """What the engine adds to the positions of a sequence whose tokens reach ``length``:
+        the row offset of its rotary table (LongRoPE's long factors past
+        original_max_position_embeddings; else 0). A sequence whose offset changes as it
+        grows is recomputed (``position_offsets_vary``)."""
+        return longrope_position_offset(self.spec.rope_scaling, self.max_positions, length)
+
+    @property
+    def position_offsets_vary(self) -> bool:
+        """Whether ``position_offset`` is ever nonzero (LongRoPE beyond its original
+        context); when not, the engine never asks."""
+        return longrope_offsets_vary(self.spec.rope_scaling, self.max_positions)
 
     # ---- KV cache ----
 
@@ -221,7 +245,16 @@ class DecoderForCausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 out[p + "self_attn.q_norm.weight"] = ((s.head_dim,), attn.q_norm.load_weight)
                 out[p + "self_attn.k_norm.weight"] = ((s.head_dim,), attn.k_norm.load_weight)
+            for fused, parts in self.fused_modules.items():
+                _fuse_weights(out, p, fused, parts, self._linear_of(layer, parts[0]))
         return out
+
+    @staticmethod
+    def _linear_of(layer: DecoderLayer, name: str) -> LinearBase:
+        """The fused layer that holds slice ``name`` ("self_attn.q_proj", "mlp.up_proj")."""
+        if name.startswith("self_attn."):
+            return layer.self_attn.qkv_proj
+        return layer.mlp.gate_up_proj
 
     def lora_linears(self) -> list[tuple[LinearBase, tuple[str, ...]]]:
         """Each linear with LoRA slots and the PEFT module names of its slices."""
@@ -249,7 +282,18 @@ class DecoderForCausalLM(nn.Module):
                        m + "gate_proj": (s.hidden_size, s.intermediate_size),
                        m + "up_proj": (s.hidden_size, s.intermediate_size),
                        m + "down_proj": (s.intermediate_size, s.hidden_size)}
+            p = f"model.layers.{i}."
+            for fused, parts in self.fused_modules.items():
+                sizes = [shapes[p + part] for part in parts]
+                shapes[p + fused] = (sizes[0][0], sum(out for _, out in sizes))
         return shapes
+
+    def lora_fused_targets(self) -> dict[str, tuple[str, ...]]:
+        """PEFT module name of a fused HF module -> the module names of its slices, in row
+        order (Phi-3: qkv_proj -> q_proj, k_proj, v_proj); empty where HF's modules are ours."""
+        return {f"model.layers.{i}.{fused}": tuple(f"model.layers.{i}.{p}" for p in parts)
+                for i in range(self.spec.num_layers)
+                for fused, parts in self.fused_modules.items()}
 
     def weights_hash(self) -> str:
         """Hash of the loaded weights (as converted to the model dtype) and the spec."""
@@ -270,6 +314,26 @@ def _add_linear(
         if linear.bias is not None:
             out[f"{prefix}{name}.bias"] = ((linear.output_sizes[s],),
                                            _slice_loader(linear.load_bias, s))
+
+
+def _fuse_weights(out: dict[str, WeightSlot], prefix: str, fused: str,
+                  parts: tuple[str, ...], linear: LinearBase) -> None:
+    """Replace the weights of ``parts`` (every slice of ``linear``, in order) by the one fused
+    checkpoint weight (and bias) that holds them in row order."""
+    assert len(parts) == len(linear.output_sizes), (parts, linear.output_sizes)
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{part}.{kind}" for part in parts]
+        if keys[0] not in out:
+            continue
+        shapes = [out.pop(key)[0] for key in keys]
+        rows = [shape[0] for shape in shapes]
+        load = linear.load_weight if kind == "weight" else linear.load_bias
+
+        def split_load(t: torch.Tensor, load=load, rows=rows) -> None:
+            for s, part in enumerate(t.split(rows, dim=0)):
+                load(part, s)
+
+        out[f"{prefix}{fused}.{kind}"] = ((sum(rows), *shapes[0][1:]), split_load)
 
 
 def _slice_loader(

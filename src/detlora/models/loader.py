@@ -25,12 +25,16 @@ from detlora.layers.lora_slots import LoRAConfig
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.models.finite_weights import check_finite
 from detlora.models.llama import LlamaForCausalLM
+from detlora.models.mistral import MistralForCausalLM
+from detlora.models.phi3 import Phi3ForCausalLM
+from detlora.models.qwen2 import Qwen2ForCausalLM
 from detlora.models.qwen3 import Qwen3ForCausalLM
 from detlora.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 from detlora.models.weights_hash import combine_digests, tensor_digest
 
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
-    cls.architecture: cls for cls in (LlamaForCausalLM, Qwen3ForCausalLM)
+    cls.architecture: cls for cls in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM,
+                                      MistralForCausalLM, Phi3ForCausalLM)
 }
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
 

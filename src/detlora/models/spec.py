@@ -1,8 +1,10 @@
 """What a model is, read from a Hugging Face ``config.json`` and checked field by field.
 
 Every field is checked on the raw JSON: numbers finite and in range, and checkpoint features
-the engine does not implement (quantized weights, soft-capping, partial rotary, sliding
-windows) refused by name: loading them as if they were plain weights would run garbage.
+the engine does not implement (quantized weights, soft-capping, partial rotary) refused by
+name: loading them as if they were plain weights would run garbage. Sliding windows are read
+per layer as each family's transformers code reads them (``_WINDOWS``); the model refuses
+those that would change results (``models/windows.py``).
 Then transformers' config class for the architecture reads the same JSON, and the dtype is
 taken as it normalises it (``torch_dtype`` in 4.x, ``dtype`` in 5.x). The rotary fields, in
 either spelling (``rope_theta`` + ``rope_scaling`` in 4.x, ``rope_parameters`` in 5.x), are
@@ -12,7 +14,7 @@ read by hand: see ``_ROPE_KEYS``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -22,12 +24,22 @@ import torch
 
 from detlora.json_files import read_json_object
 
-# architecture -> HF model_type. Both are decoder-only, pre-norm, SwiGLU, neox rotary, GQA.
+# architecture -> HF model_type. All decoder-only, pre-norm, SwiGLU, neox rotary, GQA.
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
-    {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+    {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
+     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
 )
 _QK_NORM = frozenset({"Qwen3ForCausalLM"})  # per-head RMSNorm of q and k before rotary
 _ROPE_TYPES = ("default", "llama3")
+# Features fixed by an architecture's transformers code rather than read from config.json.
+_QKV_BIAS = frozenset({"Qwen2ForCausalLM"})  # q/k/v biases always, no o_proj bias
+# transformers builds these without biases whatever attention_bias / mlp_bias say.
+_NO_CONFIG_BIAS = frozenset({"Qwen2ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"})
+# Rotary types per architecture (others: _ROPE_TYPES), and the names transformers maps.
+_ARCH_ROPE_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"Phi3ForCausalLM": ("default", "longrope")})
+_ARCH_ROPE_ALIASES: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}})  # as Phi3Config reads them
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 )
@@ -57,6 +69,10 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_id: tuple[int, ...]  # config.json's int or list (generation_config may add more)
     dtype: torch.dtype  # the checkpoint's dtype (float32 when config.json names none)
+    qkv_bias: bool = False  # biases on q, k and v only, none on o_proj (Qwen2)
+    # Per layer: its sliding window (a query at p sees keys p - w < j <= p) or None for full
+    # attention; empty when every layer is full. See models/windows.py.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,6 +98,7 @@ class ModelSpec:
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         d["dtype"] = str(self.dtype).replace("torch.", "")
         d["eos_token_id"] = list(self.eos_token_id)
+        d["layer_windows"] = list(self.layer_windows)
         return d
 
     @classmethod
@@ -110,19 +127,16 @@ class ModelSpec:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        layer_types = cfg.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{source}: layer_types {sorted(set(layer_types))} are not "
-                             "supported (only full_attention)")
-        theta, scaling = _rope(cfg, source)
+        layers = r.int("num_hidden_layers")
+        windows = _WINDOWS.get(arch, _no_windows)(r, layers)
+        theta, scaling = _rope(cfg, source, arch, head_dim)
+        config_bias = arch not in _NO_CONFIG_BIAS
         return cls(
             architecture=arch,
             vocab_size=r.int("vocab_size", high=_MAX_TOKENS),
             hidden_size=hidden,
             intermediate_size=r.int("intermediate_size"),
-            num_layers=r.int("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -131,13 +145,15 @@ class ModelSpec:
             rope_scaling=scaling,
             max_position_embeddings=r.int("max_position_embeddings", high=_MAX_TOKENS),
             tie_word_embeddings=r.bool("tie_word_embeddings", default=False),
-            attention_bias=r.bool("attention_bias", default=False),
-            mlp_bias=r.bool("mlp_bias", default=False),
+            attention_bias=config_bias and r.bool("attention_bias", default=False),
+            mlp_bias=config_bias and r.bool("mlp_bias", default=False),
             qk_norm=arch in _QK_NORM,
             bos_token_id=next(iter(_token_ids(cfg, "bos_token_id", source)), None),
             eos_token_id=_token_ids(cfg, "eos_token_id", source),
             # Last: transformers reads the config once every check above has passed.
             dtype=_dtype(cfg, arch, source),
+            qkv_bias=arch in _QKV_BIAS,
+            layer_windows=windows,
         )
 
 
@@ -222,7 +238,8 @@ def _architecture(cfg: Mapping[str, Any], source: str) -> str:
     return arch
 
 
-def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any] | None]:
+def _rope(cfg: Mapping[str, Any], source: str, arch: str,
+          head_dim: int) -> tuple[float, Mapping[str, Any] | None]:
     params = cfg.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"{source}: rope_parameters must be an object, got {params!r}")
@@ -235,11 +252,15 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
         raise ValueError(f"{source}: rope_theta must be a finite positive number, "
                          f"got {theta!r}")
     kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in _ROPE_TYPES:
-        raise ValueError(f"{source}: rope type {kind!r} is not supported "
-                         f"(supported: {', '.join(_ROPE_TYPES)})")
+    kind = _ARCH_ROPE_ALIASES.get(arch, {}).get(kind, kind)
+    supported = _ARCH_ROPE_TYPES.get(arch, _ROPE_TYPES)
+    if kind not in supported:
+        raise ValueError(f"{source}: rope type {kind!r} is not supported for {arch} "
+                         f"(supported: {', '.join(supported)})")
     if kind == "default":
         return float(theta), None
+    if kind == "longrope":
+        return float(theta), _longrope(cfg, merged, source, head_dim)
     scaling: dict[str, Any] = {"rope_type": "llama3"}
     for key, default in (("factor", None), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
                          ("original_max_position_embeddings", None)):
@@ -257,6 +278,114 @@ def _rope(cfg: Mapping[str, Any], source: str) -> tuple[float, Mapping[str, Any]
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError(f"{source}: rope scaling high_freq_factor must exceed low_freq_factor")
     return float(theta), MappingProxyType(scaling)
+
+
+def _longrope(cfg: Mapping[str, Any], merged: Mapping[str, Any], source: str,
+              head_dim: int) -> Mapping[str, Any]:
+    """Phi-3's LongRoPE ("su") as transformers 5.x reads it: ``original_max_position_embeddings``
+    from the rotary fields, else config.json's top level (Phi3Config's default 4096);
+    ``factor`` given or max_position_embeddings / original; ``attention_factor`` given or
+    sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1). The factors have head_dim / 2
+    entries each; which set a token uses: ``ops/longrope.py``."""
+    original = merged.get("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings", 4096))
+    if isinstance(original, bool) or not isinstance(original, int) or \
+            not 1 <= original <= _MAX_TOKENS:
+        raise ValueError(f"{source}: longrope original_max_position_embeddings must be an "
+                         f"integer in [1, {_MAX_TOKENS}], got {original!r}")
+    scaling: dict[str, Any] = {"rope_type": "longrope",
+                               "original_max_position_embeddings": original}
+    for key in ("short_factor", "long_factor"):
+        v = merged.get(key)
+        if not isinstance(v, list) or len(v) != head_dim // 2 or not all(
+                _positive(x) for x in v):
+            raise ValueError(f"{source}: longrope rope scaling needs {key!r}: a list of "
+                             f"head_dim / 2 = {head_dim // 2} finite positive numbers, "
+                             f"got {v!r:.80}")
+        scaling[key] = tuple(float(x) for x in v)
+    max_pos = cfg.get("max_position_embeddings")
+    factor = merged.get("factor")
+    if factor is None:
+        if not _positive(max_pos):
+            raise ValueError(f"{source}: max_position_embeddings must be a positive integer, "
+                             f"got {max_pos!r}")
+        factor = max_pos / original
+    elif not _positive(factor):
+        raise ValueError(f"{source}: rope scaling factor must be a finite positive number, "
+                         f"got {factor!r}")
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(
+            1 + math.log(factor) / math.log(original))
+    elif not _positive(attention):
+        raise ValueError(f"{source}: rope scaling attention_factor must be a finite positive "
+                         f"number, got {attention!r}")
+    scaling["attention_factor"] = float(attention)
+    return MappingProxyType(scaling)
+
+
+# ---- sliding windows, per architecture: (reader, num_layers) -> per-layer windows ----
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _window_size(r: _Reader, default: int | None) -> int | None:
+    """config.json's sliding_window: ``default`` when absent, None when null."""
+    if "sliding_window" not in r.cfg:
+        return default
+    if r.cfg["sliding_window"] is None:
+        return None
+    return r.int("sliding_window", high=_MAX_TOKENS)
+
+
+def _no_windows(r: _Reader, layers: int) -> tuple[int | None, ...]:
+    """Families whose transformers code has no window: asking for one is refused."""
+    if r.cfg.get("use_sliding_window"):
+        raise ValueError(f"{r.source}: use_sliding_window=true is not supported")
+    layer_types = r.cfg.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"{r.source}: layer_types {sorted(set(layer_types))} are not "
+                         "supported (only full_attention)")
+    return ()
+
+
+def _qwen_windows(r: _Reader, layers: int) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3 (Qwen2Config): sliding_window (default 4096) only with
+    use_sliding_window, on the layers ``layer_types`` names sliding_attention; without
+    layer_types, layers max_window_layers (default 28) and up."""
+    use = r.bool("use_sliding_window", default=False)
+    window = _window_size(r, 4096) if use else None
+    types = r.cfg.get("layer_types")
+    if types is None:
+        first = r.int("max_window_layers", default=28, high=_MAX_TOKENS) if window else layers
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"{r.source}: layer_types must list {layers} entries among "
+                         f"{list(_LAYER_TYPES)}, got {types!r:.120}")
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"{r.source}: layer_types names sliding_attention layers but no "
+                         "window is set (use_sliding_window / sliding_window)")
+    if window is None:
+        return ()
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _every_layer_window(default: int | None) -> Callable[[_Reader, int],
+                                                         tuple[int | None, ...]]:
+    """Mistral (default 4096) and Phi-3 (default None): sliding_window on every layer, as
+    their transformers code applies it (use_sliding_window and layer_types are not read)."""
+    def windows(r: _Reader, layers: int) -> tuple[int | None, ...]:
+        window = _window_size(r, default)
+        return () if window is None else (window,) * layers
+    return windows
+
+
+_WINDOWS: Mapping[str, Callable[[_Reader, int], tuple[int | None, ...]]] = MappingProxyType({
+    "Qwen2ForCausalLM": _qwen_windows, "Qwen3ForCausalLM": _qwen_windows,
+    "MistralForCausalLM": _every_layer_window(4096), "Phi3ForCausalLM": _every_layer_window(None),
+})
 
 
 def _token_ids(cfg: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:

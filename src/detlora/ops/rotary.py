@@ -1,4 +1,5 @@
-"""Rotary position embedding, neox style (Llama, Qwen3), with Llama-3 rope scaling.
+"""Rotary position embedding, neox style (Llama, Qwen3), with Llama-3 rope scaling (and
+Phi-3's LongRoPE table from ``ops/longrope.py``).
 
 Semantics:
     q: [T, Hq, D], k: [T, Hk, D] (bf16/fp16/fp32), positions: [T] ints,
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from detlora.ops._runtime import cdiv, next_power_of_2
 from detlora.ops.checks import check_same_device, check_shape, check_tensor
+from detlora.ops.longrope import longrope_cos_sin_cache
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,7 +66,10 @@ def rope_inv_freq(head_dim: int, base: float, scaling: Mapping | None = None) ->
 def rope_cos_sin_cache(
     head_dim: int, max_positions: int, base: float, scaling: Mapping | None = None
 ) -> torch.Tensor:
-    """[max_positions, D] fp32: cos | sin of position x inverse frequency."""
+    """[max_positions, D] fp32: cos | sin of position x inverse frequency (LongRoPE: its
+    two tables, ``ops/longrope.py``)."""
+    if scaling and scaling.get("rope_type") == "longrope":
+        return longrope_cos_sin_cache(head_dim, max_positions, base, scaling)
     inv = rope_inv_freq(head_dim, base, scaling)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv)

@@ -71,9 +71,10 @@ def build_step_inputs(
         start = seq.num_computed
         table = seq.block_table
         fed = fed_rows[k] if fed_rows is not None else None
+        off = seq.position_offset  # rotary rows (LongRoPE); pages use the true positions
         if n == 1:  # a decode: one token, the common case
             ids.append(seq.token_ids[start] if fed is None else -1 - fed)
-            pos.append(start)
+            pos.append(start + off)
             slots.append(table[start // block_size] * block_size + start % block_size)
             adapters.append(slot)
         else:
@@ -81,7 +82,7 @@ def build_step_inputs(
             if fed is not None:
                 ids[rows] = -1 - fed
             for p in range(start, start + n):
-                pos.append(p)
+                pos.append(p + off)
                 slots.append(table[p // block_size] * block_size + p % block_size)
             adapters.extend([slot] * n)
         tables.append(list(table))

@@ -82,6 +82,7 @@ class _AdapterSlots:
     def __init__(self, model: torch.nn.Module, max_rank: int) -> None:
         self.linears = model.lora_linears()
         self.target_shapes = model.lora_target_shapes()
+        self.fused = model.lora_fused_targets()
         self.max_rank = max_rank
         self._adapters: OrderedDict[tuple[int, str], LoRAAdapter] = OrderedDict()
 
@@ -108,7 +109,8 @@ class _AdapterSlots:
         key = (request.id, request.path)
         adapter = self._adapters.pop(key, None)
         if adapter is None:
-            adapter = load_peft_adapter(request.path, self.target_shapes, self.max_rank)
+            adapter = load_peft_adapter(request.path, self.target_shapes, self.max_rank,
+                                        self.fused)
         self._adapters[key] = adapter
         while len(self._adapters) > self.KEEP:
             self._adapters.popitem(last=False)

@@ -15,9 +15,12 @@ from array import array
 UNREAD = -1  # a token whose sampling step is launched but not read yet (llm_engine)
 
 
-def root_key(lora: object | None) -> bytes:
-    """The parent key of page 0: which weights compute the K/V."""
+def root_key(lora: object | None, position_offset: int = 0) -> bytes:
+    """The parent key of page 0: which weights compute the K/V, and the sequence's position
+    offset where it has one (LongRoPE's long table rotates the same tokens otherwise)."""
     what = "base" if lora is None else repr(("lora", lora.name, lora.id, lora.path))  # type: ignore[attr-defined]
+    if position_offset:
+        what += f"|positions+{position_offset}"
     return hashlib.sha256(what.encode()).digest()
 
 
@@ -26,13 +29,13 @@ def page_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 def extend_page_keys(keys: list[bytes], token_ids: list[int], block_size: int,
-                     lora: object | None) -> list[bytes]:
+                     lora: object | None, position_offset: int = 0) -> list[bytes]:
     """Append to ``keys`` the keys of the full pages of ``token_ids`` not yet keyed, stopping
     at the first page that holds an unread token; returns ``keys``."""
     first, end = len(keys), len(token_ids) // block_size
     if first >= end:
         return keys
-    parent = keys[-1] if keys else root_key(lora)
+    parent = keys[-1] if keys else root_key(lora, position_offset)
     for i in range(first, end):
         tokens = token_ids[i * block_size: (i + 1) * block_size]
         if UNREAD in tokens:

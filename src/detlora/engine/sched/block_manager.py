@@ -106,7 +106,8 @@ class BlockManager:
         that its last token is still computed; [] without caching."""
         if not self.enable_caching:
             return []
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         pages: list[int] = []
         for key in keys[: (len(seq.token_ids) - 1) // self.block_size]:
             page = self._cached.get(key)
@@ -141,7 +142,8 @@ class BlockManager:
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
         if not self.enable_caching or full <= seq.num_registered_pages:
             return
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         end = min(full, len(keys), len(seq.block_table))
         for i in range(seq.num_registered_pages, end):
             page, key = seq.block_table[i], keys[i]
@@ -156,7 +158,8 @@ class BlockManager:
         ones are being computed, until ``register`` (or ``free``) clears them."""
         if not self.enable_caching:
             return
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         for key in keys[seq.num_registered_pages:]:
             self._computing[key] = self._computing.get(key, 0) + 1
         seq.num_computing_end = len(keys)
@@ -167,7 +170,8 @@ class BlockManager:
         i = len(cached)
         if not self._computing or i >= (len(seq.token_ids) - 1) // self.block_size:
             return False
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         return i < len(keys) and keys[i] in self._computing
 
     def _unmark(self, seq: Sequence, end: int) -> None:

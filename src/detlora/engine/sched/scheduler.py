@@ -24,6 +24,9 @@ Policy (one step, a token budget of ``max_num_batched_tokens``):
    and is given only the tokens after them; one whose next page a running sequence is
    computing waits (keeping its place) until that page is cached; a request for prompt
    logprobs computes every position, so it takes none.
+0. Before both, where the model's rotary rows depend on a sequence's length (LongRoPE,
+   ``position_offset``), a running sequence that grew into other rows is recomputed from
+   the start with them, ahead of the queue; a waiting one takes its rows when admitted.
 
 A sequence is sampled in a step when the step computes its last pending token. Nothing here
 touches tensors or global state: an engine owns one scheduler and drives it step by step.
@@ -32,6 +35,7 @@ touches tensors or global state: an engine owns one scheduler and drives it step
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,8 +81,13 @@ class Scheduler:
         enable_chunked_prefill: bool,
         max_loras: int | None = None,
         max_adapter_wait: int = MAX_ADAPTER_WAIT,
+        position_offset: Callable[[int], int] | None = None,
     ) -> None:
+        """``position_offset``: the model's, where a sequence's rotary rows depend on its
+        length (LongRoPE); None where they never do."""
         self.blocks = block_manager
+        self.position_offset = position_offset
+        self.num_offset_recomputes = 0  # sequences recomputed as they grew past an offset
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -117,6 +126,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        if self.position_offset is not None:
+            self._recompute_grown()
 
         running, blocks = self.running, self.blocks
         block_size = blocks.block_size
@@ -157,6 +168,8 @@ class Scheduler:
         overdue: Sequence | None = None  # the first request kept from a slot too long
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.position_offset is not None:
+                _set_offset(seq, self.position_offset(len(seq.token_ids)))
             if self.max_loras is not None and seq.lora is not None:
                 if (overdue is not None and seq.lora != overdue.lora
                         and _tokens_left(seq) > drains.get(seq.lora, -1)):
@@ -206,6 +219,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _recompute_grown(self) -> None:
+        """Running sequences whose length now reads other rotary rows (LongRoPE past its
+        original context) give up their pages and are computed again from the start with
+        them, ahead of the queue: what transformers' generate does (ops/longrope.py). The
+        engine does not run a step ahead of such a sequence, so its tokens are all read."""
+        offset = self.position_offset
+        assert offset is not None
+        grown = [s for s in self.running if offset(len(s.token_ids)) != s.position_offset]
+        for seq in reversed(grown):  # appendleft: keep their order
+            self.running.remove(seq)
+            self.blocks.free(seq)
+            seq.reset_for_recompute()
+            self.waiting.appendleft(seq)
+            self.num_offset_recomputes += 1
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         seq.reset_for_recompute()
@@ -236,6 +264,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+
+
+def _set_offset(seq: Sequence, offset: int) -> None:
+    """A waiting sequence's position offset at admission; its page keys follow it."""
+    if offset != seq.position_offset:
+        seq.position_offset = offset
+        seq.page_keys.clear()
 
 
 def _tokens_left(seq: Sequence) -> int:

@@ -44,6 +44,9 @@ class Sequence:
     sample_seed: int  # params.seed, or derived from (engine seed, seq_id)
     max_len: int  # prompt + max_tokens, capped at max_model_len
     lora: object | None = None  # a LoRARequest, or None for the base model
+    # Added to every position the model sees (the model's position_offset of the prompt:
+    # LongRoPE's long table for long prompts; 0 for most models). Fixed at arrival.
+    position_offset: int = 0
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # leading tokens whose K/V are in the cache
