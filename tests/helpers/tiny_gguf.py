@@ -1,9 +1,11 @@
-"""A tiny Llama-architecture GGUF file written with the ``gguf`` package: random weights
-(Q8_0 where a row holds whole 32-value blocks, F32 otherwise), a byte-level BPE tokenizer and
-a chat template, so GGUF conversion is tested without downloading a model."""
+"""Tiny GGUF files written with the ``gguf`` package, so GGUF conversion is tested without
+downloading a model: a Llama file with random weights (Q8_0 where a row holds whole 32-value
+blocks, F32 otherwise), a byte-level BPE tokenizer and a chat template; and any Qwen2 or
+Phi-3 checkpoint as an F32 file under llama.cpp's names (``write_checkpoint_gguf``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +91,49 @@ def write_tiny_llama_gguf(path: Path, *, seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_checkpoint_gguf(checkpoint: Path, out: Path, arch: str) -> Path:
+    """``checkpoint`` (config.json + model.safetensors of a qwen2 or phi3 model) as the F32
+    GGUF file ``out``: llama.cpp's tensor names (the gguf package's map from transformers'
+    names) and metadata, 256 byte tokens, one merge and control tokens up to the vocabulary."""
+    import gguf
+    from safetensors.torch import load_file
+
+    kind = {"qwen2": gguf.MODEL_ARCH.QWEN2, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    layers, vocab = cfg["num_hidden_layers"], cfg["vocab_size"]
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[kind])
+    w.add_name("tiny")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    w.add_rope_dimension_count(cfg.get("head_dim")
+                               or cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens = [*_byte_tokens(), "ab"]
+    tokens += [f"<|x{i}|>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [3] * (vocab - 257))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(0)
+    names = gguf.get_tensor_name_map(kind, layers)
+    for key, t in load_file(checkpoint / "model.safetensors").items():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        w.add_tensor(name, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
