@@ -103,9 +103,10 @@ def test_greedy_equals_transformers_generate(families, arch):
 
 @pytest.mark.parametrize("arch", BASES)
 def test_bits_do_not_depend_on_the_batch(families, arch):
-    """batch_invariant: each request alone is the reference; in a batch, reversed, chunked
-    (8-token steps) on a KV cache that preempts, and with the prefix cache (run twice: the
-    second run reads cached pages), its token ids and logprobs are the same bits."""
+    """batch_invariant: each request alone is the reference; in a batch (run ahead or not),
+    reversed, chunked (8-token steps) on a KV cache that preempts, and with the prefix cache
+    (run twice: the second run reads cached pages), its token ids and logprobs are the same
+    bits."""
     base, adapter = families(arch)
     n = 6
     prompts = random_prompts(n, seed=11, lo=3, hi=40)
@@ -127,6 +128,10 @@ def test_bits_do_not_depend_on_the_batch(families, arch):
         assert not bad, f"{arch}: outputs {bad} differ"
 
     check(llm.generate(prompts, params, mixed, use_tqdm=False), alone)
+    llm.engine.run_ahead = True  # the GPU's default: steps launched before the last is read
+    check(llm.generate(prompts, params, mixed, use_tqdm=False), alone)
+    assert llm.engine.num_steps_ahead > 0
+    llm.engine.run_ahead = False
     rev = list(reversed(range(n)))
     check(llm.generate([prompts[k] for k in rev], [params[k] for k in rev],
                        [mixed[k] for k in rev], use_tqdm=False), [alone[k] for k in rev])
