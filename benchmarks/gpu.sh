@@ -35,6 +35,8 @@
 #                     first, where matplotlib's wheels give the figures; without them
 #                     `detlora study --render out/study` draws them from study.json)
 #                     | tensor-parallel (2+ GPUs: TP 1 against 2)
+#                     | architectures (the base-architecture registry: qwen2.5-7b, mistral-7b,
+#                     phi3.5-mini, ...; $ARCH_MODELS="a,b" runs some) | architectures-tests
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
@@ -130,7 +132,8 @@ for step in "${steps[@]}"; do
                 gpu_tests gpu_tests_rest.log 45 tests/gpu/test_robust_gpu.py \
                   tests/gpu/test_structured_gpu.py tests/gpu/test_study_gpu.py \
                   tests/gpu/test_tensor_parallel_ops_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
-                  tests/gpu/test_audit_gpu.py --durations=15 || status=1 ;;
+                  tests/gpu/test_audit_gpu.py tests/gpu/test_bases_gpu.py \
+                  --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
@@ -185,6 +188,15 @@ for step in "${steps[@]}"; do
     ops-attention) python3 -m benchmarks.suites.batch_invariant_ops --parts attention \
                      --out "$OUT/batch_invariant_ops_attention.json" || status=1 ;;
     engine) python3 -m benchmarks.suites.engine --out "$OUT/engine.json" || status=1 ;;
+    # Base architectures (random bf16 weights, rank-16 adapters): $ARCH_MODELS picks among the
+    # registry of benchmarks/suites/architectures.py (default: all); rows of the models not
+    # run are kept from the recorded file.
+    architectures) python3 -m benchmarks.suites.architectures \
+                     ${ARCH_MODELS:+--models "$ARCH_MODELS"} \
+                     --keep-rows-from benchmarks/results/architectures.json \
+                     --out "$OUT/architectures.json" || status=1 ;;
+    architectures-tests) gpu_tests gpu_tests_architectures.log 25 \
+                           tests/gpu/test_bases_gpu.py --durations=10 || status=1 ;;
     study) server_wheels; study || status=1 ;;
     prefix-cache) python3 -m benchmarks.suites.prefix_cache --out "$OUT/prefix_caching.json" \
                     || status=1 ;;

@@ -228,6 +228,27 @@ def _is_run_ahead_cases(d: dict) -> bool:
     return bool(rows) and isinstance(rows[0], dict) and {"case", "on", "off"} <= set(rows[0])
 
 
+def architectures(d: dict) -> Headline:
+    """Per model: batch-1 TPOT and roofline share per level, batch_invariant over fast at
+    batch 1 and 64, outputs that differ per level."""
+    out: Headline = {"tpot_ms_b1": {}, "roofline_b1": {}, "bi_vs_fast": {}, "differing": {}}
+    for r in d.get("rows", []):
+        key = f"{r['model']}_{r['level']}"
+        out["tpot_ms_b1"][key] = _r(r.get("tpot_b1_ms"))
+        out["roofline_b1"][key] = _r(r.get("roofline_b1"))
+        out["differing"][key] = f"{r['differing']}/{r['comparisons']}"
+        if r["level"] == "batch_invariant":
+            out["bi_vs_fast"][r["model"]] = {"b1": _r(r.get("bi_vs_fast_b1")),
+                                             "b64": _r(r.get("bi_vs_fast_b64"))}
+    return out
+
+
+def _is_architectures(d: dict) -> bool:
+    rows = d.get("rows")
+    return bool(rows) and isinstance(rows[0], dict) and {
+        "model", "family", "level", "tpot_b1_ms"} <= set(rows[0])
+
+
 LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] = (
     (_is_study, study),
     (_is_multi_lora, multi_lora),
@@ -239,6 +260,7 @@ LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] =
     (_is_run_ahead_cases, run_ahead_cases),
     (_is_evals, evals),
     (_is_audit, audit),
+    (_is_architectures, architectures),
 )
 
 
