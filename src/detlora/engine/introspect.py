@@ -146,6 +146,10 @@ def continue_from_kv(
     length = n + max_tokens
     if length > engine.max_model_len:
         raise ValueError(f"{length} positions exceed max_model_len={engine.max_model_len}")
+    if engine.model.position_offset(length):
+        raise ValueError(f"{length} positions reach past this model's original LongRoPE "
+                         "context, where its rotary rows depend on the sequence's length: "
+                         "continue_from_kv does not support that")
     bs = kv.block_size
     pages = list(range(-(-length // bs)))
     if len(pages) > kv.num_blocks:
