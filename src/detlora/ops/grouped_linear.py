@@ -25,8 +25,6 @@ persistent CTA) adds the chunk sums in chunk order, which is ``sum_partials``. O
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from detlora.ops._runtime import cdiv, kernels_available_for, next_power_of_2
 from detlora.ops.checks import check_tensor
@@ -75,23 +73,6 @@ def sum_partials_ref(
     return total.to(dtype)
 
 
-_SUM_BLOCK = 1024  # output columns per program
-
-
-@triton.jit(do_not_specialize=["groups", "m"])
-def _sum_partials_kernel(p_ptr, bias_ptr, out_ptr, groups, m, n, stride_pg, stride_pm,
-                         stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < n
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for g in range(0, groups):
-        total += tl.load(p_ptr + g * stride_pg + row * stride_pm + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def sum_partials(
     partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -120,8 +101,10 @@ def sum_partials_kernel(
     out = torch.empty(m, n, dtype=dtype, device=partials.device)
     if m == 0 or n == 0:
         return out
-    block = min(_SUM_BLOCK, next_power_of_2(n))
-    _sum_partials_kernel[(m, cdiv(n, block))](
+    from detlora.ops.sum_partials_kernel import SUM_BLOCK, sum_partials_kernel_
+
+    block = min(SUM_BLOCK, next_power_of_2(n))
+    sum_partials_kernel_[(m, cdiv(n, block))](
         partials, partials if bias is None else bias, out, g, m, n, partials.stride(0),
         partials.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
         num_warps=4)
