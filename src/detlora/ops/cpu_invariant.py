@@ -26,8 +26,9 @@ runs in calls whose shapes do not depend on the batch:
 * attention: per sequence, the keys are visited in blocks of ``KV_BLOCK`` positions (aligned
   to position 0, not to pages), each block's scores and ``P @ V`` reduced over a fixed-length
   innermost axis, blocks merged in position order with an online softmax. Blocks after a
-  query's position are fully masked and leave its state unchanged exactly (``x * 1 + 0``), so
-  the same query gives the same bits in a prefill, a chunk of one, or a decode step.
+  query's position (or, with a sliding window, before its window) are fully masked and leave
+  its state unchanged exactly (``x * 1 + 0``), so the same query gives the same bits in a
+  prefill, a chunk of one, or a decode step, wherever the visit starts.
 
 The engine swaps these into the CPU backend for ``batch_invariant``; the other elementwise ops,
 gathers and the row reductions (RMSNorm, log-softmax, argmax) of the references are already
@@ -193,10 +194,11 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int | None = None,  # a grid hint of the kernels; no meaning here
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same semantics as ``detlora.ops.paged_attention.paged_attention_ref``."""
     # Imported here: that module defines Triton kernels, which the CPU engine never launches.
-    from detlora.ops.paged_attention import sequence_kv
+    from detlora.ops.paged_attention import sequence_kv, window_start
 
     _, hq, d = q.shape
     hk = k_cache.shape[2]
@@ -208,11 +210,16 @@ def paged_attention(
         n = hi - lo
         if n == 0:
             continue
-        num_blocks = -(-ctx // KV_BLOCK)
+        # Keys from the block holding the first query's window start (0 without a window);
+        # positions before that start are never read (their pages may be released).
+        first = window_start(ctx - n, window)
+        base = first // KV_BLOCK * KV_BLOCK
+        num_blocks = -(-ctx // KV_BLOCK) - base // KV_BLOCK
         padded = num_blocks * KV_BLOCK
         keys = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
         vals = torch.zeros(padded, hk, d, dtype=torch.float32, device=q.device)
-        keys[:ctx], vals[:ctx] = sequence_kv(k_cache, v_cache, block_tables, b, ctx)
+        keys[first - base:ctx - base], vals[first - base:ctx - base] = sequence_kv(
+            k_cache, v_cache, block_tables, b, ctx, first)
         # [blocks, H, KV_BLOCK, D] for scores and [blocks, H, D, KV_BLOCK] for P @ V, so both
         # reductions run over the innermost, fixed-length axis.
         keys = keys.repeat_interleave(group, dim=1).view(num_blocks, KV_BLOCK, hq, d)
@@ -226,11 +233,18 @@ def paged_attention(
         acc = torch.zeros(n, hq, d, dtype=torch.float32, device=q.device)
         for j in range(num_blocks):
             s = (qb * keys[j][None]).sum(-1) * scale  # [n, H, KV_BLOCK]
-            pos_k = torch.arange(j * KV_BLOCK, (j + 1) * KV_BLOCK, device=q.device)
-            s = s.masked_fill(pos_k[None, None, :] > pos_q, float("-inf"))
+            pos_k = torch.arange(base + j * KV_BLOCK, base + (j + 1) * KV_BLOCK,
+                                 device=q.device)[None, None, :]
+            hidden = pos_k > pos_q
+            if window is not None:
+                hidden |= pos_k <= pos_q - window
+            s = s.masked_fill(hidden, float("-inf"))
             m_new = torch.maximum(m_run, s.amax(-1))
-            alpha = torch.exp(m_run - m_new)
-            p = torch.exp(s - m_new[..., None])
+            # A row that saw no key yet keeps (-inf, 0, 0) exactly through a block it cannot
+            # see either: alpha 1 where the max did not move, exponents taken from 0.
+            m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = torch.where(m_run == m_new, 1.0, torch.exp(m_run - m_use))
+            p = torch.exp(s - m_use[..., None])
             l_run = l_run * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + (p[:, :, None, :] * vals[j][None]).sum(-1)
             m_run = m_new

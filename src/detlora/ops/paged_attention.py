@@ -14,15 +14,24 @@ Semantics:
                 k_cache.view(-1, Hk, D)[slot] = k[t]; v_cache.view(-1, Hk, D)[slot] = v[t]
 
         paged_attention(q [T, Hq, D], k_cache, v_cache, block_tables [B, max_blocks],
-                        seq_lens [B], query_start_loc [B + 1], scale) -> out [T, Hq, D]:
+                        seq_lens [B], query_start_loc [B + 1], scale, window=None)
+                        -> out [T, Hq, D]:
             query j of sequence b sits at position p = seq_lens[b] - q_len_b + j and attends
-            to positions 0..p (causal); head h reads KV head h // (Hq // Hk);
+            to positions 0..p (causal), or with a sliding ``window`` W to positions
+            max(0, p - W + 1)..p (W keys, its own included: HF's ``kv_idx > q_idx - W``);
+            head h reads KV head h // (Hq // Hk);
             out = softmax(scale * q . K^T) @ V, fp32 accumulation, cast to q.dtype.
+        With a window, block-table entries of pages before the first query's window are
+        never read (the engine releases those pages and leaves -1 there).
 
     Batch invariance: a query row's bits depend only on its own KV, visited in blocks of a
     fixed size in position order (any split of the KV axis falls at fixed positions and is
     merged in order). So the same query gives the same bits in a prefill, in a chunk of a
-    chunked prefill, after a cached prefix, or in a decode step.
+    chunked prefill, after a cached prefix, or in a decode step. A window starts the visit
+    at the key block (on the same absolute grid) holding the earliest window start of the
+    launch's rows; the blocks a row visits before its own window are fully masked for it
+    and leave its running (max, sum, acc) unchanged exactly, so where the visit starts never
+    changes a row's bits.
 """
 
 from __future__ import annotations
@@ -55,15 +64,24 @@ def write_kv_ref(
 
 
 def sequence_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq: int, ctx: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq: int, ctx: int,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence ``seq``'s first ``ctx`` keys and values gathered from its pages, fp32
-    ``[ctx, Hk, D]`` each (shared by the torch references)."""
+    """Sequence ``seq``'s keys and values at positions [start, ctx) gathered from its pages,
+    fp32 ``[ctx - start, Hk, D]`` each (shared by the torch references); pages before
+    ``start``'s are not read."""
     block_size, hk, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    pages = block_tables[seq, : -(-ctx // block_size)].long()
-    keys = k_cache[pages].reshape(-1, hk, d)[:ctx].float()
-    vals = v_cache[pages].reshape(-1, hk, d)[:ctx].float()
+    first = start // block_size
+    pages = block_tables[seq, first: -(-ctx // block_size)].long()
+    skip = start - first * block_size
+    keys = k_cache[pages].reshape(-1, hk, d)[skip:ctx - first * block_size].float()
+    vals = v_cache[pages].reshape(-1, hk, d)[skip:ctx - first * block_size].float()
     return keys, vals
+
+
+def window_start(first_query: int, window: int | None) -> int:
+    """The first key position a query at ``first_query`` may see (0 without a window)."""
+    return 0 if window is None else max(0, first_query - window + 1)
 
 
 def paged_attention_ref(
@@ -76,6 +94,7 @@ def paged_attention_ref(
     scale: float,
     *,
     max_query_len: int | None = None,  # a grid hint of the kernels; no meaning here
+    window: int | None = None,
 ) -> torch.Tensor:
     hq, hk = q.shape[1], k_cache.shape[2]
     group = hq // hk
@@ -86,14 +105,18 @@ def paged_attention_ref(
         q_len = hi - lo
         if q_len == 0:
             continue
-        keys, vals = sequence_kv(k_cache, v_cache, block_tables, b, ctx)  # [ctx, Hk, D]
-        keys = keys.repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        first = window_start(ctx - q_len, window)
+        keys, vals = sequence_kv(k_cache, v_cache, block_tables, b, ctx, first)
+        keys = keys.repeat_interleave(group, dim=1)  # [ctx - first, Hq, D]
         vals = vals.repeat_interleave(group, dim=1)
         qb = q[lo:hi].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, keys) * scale
         pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        pos_k = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill((pos_k > pos_q)[None], float("-inf"))
+        pos_k = torch.arange(first, ctx, device=q.device)[None, :]
+        hidden = pos_k > pos_q
+        if window is not None:
+            hidden |= pos_k <= pos_q - window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
     return out
@@ -123,6 +146,7 @@ def paged_attention_ref(
 # changes bits.
 
 BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
+MAX_HEAD_DIM = 512  # Gemma 4's full-attention layers
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # 132 SMs (H100/H200), two CTAs each. Sizes grids only, never decides bits.
 # Split the KV axis only below this many (query tile, KV head) pairs: with more, one flattened
@@ -154,7 +178,14 @@ class TileConfig:
 
 
 def tile_config(head_dim: int, group: int) -> TileConfig:
-    """The one tiling every call with this head_dim and GQA group uses (bits depend on it)."""
+    """The one tiling every call with this head_dim and GQA group uses (bits depend on it).
+    head_dim 512 (Gemma 4's full layers) takes the smallest tile that holds a query's GROUP
+    heads, one stage deep, eight warps: a 64-key block of K and of V is 64 KB each there, so
+    a taller tile would not fit an SM's shared memory, and with four warps the [16, 512]
+    accumulator and query spill registers (12.7 KB of spill stores in the sm_90 build, 0.8 KB
+    with eight; docs/decisions.md, "Head dim 512")."""
+    if head_dim > 256:
+        return TileConfig(block_m=max(16, next_power_of_2(group)), num_warps=8, num_stages=1)
     block_m = 64 if group <= 64 else 128
     big = head_dim * block_m > 64 * 128
     return TileConfig(block_m=block_m, num_warps=8 if big else 4, num_stages=2 if big else 3)
@@ -307,11 +338,13 @@ def attend_blocks(
     stride_ks,
     stride_vb,
     stride_vs,
+    window,  # keys per query, its own included (read only with HAS_WINDOW)
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Online softmax over key blocks [blk_lo, blk_hi), in order, one update per block.
 
@@ -328,22 +361,24 @@ def attend_blocks(
         first = _block_pages(table_ptr, blk_lo * BLOCK_N + offs_n, ctx, max_blocks, PAGE)
         return attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first,
                                  blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
-                                 stride_kb, stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                 HEAD_DIM, DOT_PRECISION)
+                                 stride_kb, stride_ks, stride_vb, stride_vs, window, PAGE,
+                                 BLOCK_N, HEAD_DIM, DOT_PRECISION, HAS_WINDOW)
     for blk in range(blk_lo, blk_hi):
         kpos = blk * BLOCK_N + offs_n
         page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-                                   stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                                   HAS_WINDOW)
     return m, den, acc
 
 
 @triton.jit
 def attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first_pages, blk_lo,
                       blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks,
-                      stride_vb, stride_vs, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      stride_vb, stride_vs, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr):
     """attend_blocks with PREFETCH_PAGES, given block blk_lo's pages (``first_pages``: from
     ``_block_pages`` or ``_table_pages``; past the context they only feed masked loads)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -354,7 +389,8 @@ def attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first_p
         next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-                                   stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                                   HAS_WINDOW)
     return m, den, acc
 
 
@@ -401,10 +437,12 @@ def row_sum_64(x):
 
 @triton.jit
 def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, num_pages,
-                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, window,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """One online-softmax update of (m, den, acc) with key block ``blk``, whose keys live in
-    ``page`` ([BLOCK_N] int64, from ``_block_pages``); the other arguments as attend_blocks'."""
+    ``page`` ([BLOCK_N] int64, from ``_block_pages``); the other arguments as attend_blocks'.
+    A page entry < 0 (released, before every row's window) reads zeros."""
     offs_d = tl.arange(0, HEAD_DIM)
     kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
@@ -413,8 +451,12 @@ def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, nu
     k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
                 mask=kv_ok[:, None], other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    # Causal: a row sees keys up to its own position (and so never past the context).
-    s = tl.where(kpos[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+    # Causal: a row sees keys up to its own position (and so never past the context); with
+    # a window, only the last ``window`` of them.
+    visible = kpos[None, :] <= pos[:, None]
+    if HAS_WINDOW:
+        visible = visible & (kpos[None, :] > pos[:, None] - window)
+    s = tl.where(visible, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     # A block that holds no visible key leaves m unchanged: alpha is exactly 1, not exp2(0).
@@ -502,7 +544,7 @@ def _fold_partials(tot_m, tot_den, tot_a, parts):
 # The batch-dependent arguments (STEP_INTS, INDEX_POINTERS) are not specialized: each new
 # ``x == 1``, ``x % 16`` or alignment would compile another variant (about a second, in the
 # middle of serving) for loop bounds, masks and scalar loads that gain nothing from it.
-@triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks"],
+@triton.jit(do_not_specialize=[*STEP_INTS, "seg_blocks", "window"],
             do_not_specialize_on_alignment=[*INDEX_POINTERS, "counter_ptr"])
 def _paged_attention_kernel(
     q_ptr,
@@ -523,6 +565,7 @@ def _paged_attention_kernel(
     num_pages,
     tiles_per_seq,
     seg_blocks,  # key blocks per KV segment
+    window,  # keys per query with HAS_WINDOW (its own included)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -545,6 +588,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
@@ -560,7 +604,7 @@ def _paged_attention_kernel(
     q_end = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32)
     ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if SPLIT:
+    if SPLIT and not HAS_WINDOW:
         first_pages = _table_pages(table_ptr, tl.program_id(2) * seg_blocks * BLOCK_N
                                    + tl.arange(0, BLOCK_N), max_blocks, PAGE)
     q_len = q_end - q_start
@@ -571,6 +615,18 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(ctx - q_len + tl.minimum(q_lo + BLOCK_Q, q_len), max_blocks * PAGE)
     n_blocks = tl.cdiv(kv_end, BLOCK_N)
     n_segs = tl.cdiv(n_blocks, seg_blocks)
+    # The first key block and segment the tile visits: 0, or with a window the block (on
+    # the absolute grid) of its first row's window start. Blocks and segments before it are
+    # exact no-ops for every row of the tile, so skipping them changes no bits.
+    blk_start = 0
+    seg_lo = 0
+    if HAS_WINDOW:
+        blk_start = tl.maximum(ctx - q_len + q_lo - window + 1, 0) // BLOCK_N
+        seg_lo = blk_start // seg_blocks
+        if SPLIT:
+            first_blk = tl.maximum((seg_lo + tl.program_id(2)) * seg_blocks, blk_start)
+            first_pages = _table_pages(table_ptr, first_blk * BLOCK_N + tl.arange(0, BLOCK_N),
+                                       max_blocks, PAGE)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -592,21 +648,23 @@ def _paged_attention_kernel(
         # A CTA takes every num_programs(2)-th segment, each in its own block loop, and stores
         # each segment's partial for the fold below. (One flattened loop over a run of
         # consecutive segments, storing at each segment end, ran slower here.)
-        seg_first = tl.program_id(2)
+        seg_first = seg_lo + tl.program_id(2)
         seg_step = tl.num_programs(2)
-        mine = tl.cdiv(n_segs - seg_first, seg_step)
-        if n_segs == 1:
+        n_live = n_segs - seg_lo  # segments from the tile's first
+        mine = tl.maximum(tl.cdiv(n_segs - seg_first, seg_step), 0)
+        if n_live == 1:
             # One segment (a short context): its CTA holds the whole row and writes it as the
             # unsplit path does (the fold of one partial is _merge into an empty total plus
             # exact no-ops), without the round trip through scratch; the others have no work.
             mine = 0
-            if seg_first == 0:
+            if seg_first == seg_lo:
                 m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
                 m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
-                                                table_ptr, first_pages, 0, n_blocks, ctx, pos,
-                                                max_blocks, num_pages, qk_scale, stride_kb,
-                                                stride_ks, stride_vb, stride_vs, PAGE, BLOCK_N,
-                                                HEAD_DIM, DOT_PRECISION)
+                                                table_ptr, first_pages, blk_start,
+                                                n_blocks, ctx, pos, max_blocks, num_pages,
+                                                qk_scale, stride_kb, stride_ks, stride_vb,
+                                                stride_vs, window, PAGE, BLOCK_N, HEAD_DIM,
+                                                DOT_PRECISION, HAS_WINDOW)
                 big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
                 out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] \
@@ -614,19 +672,20 @@ def _paged_attention_kernel(
                 tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
                          mask=row_ok[:, None])
         for seg in range(seg_first, n_segs, seg_step):
-            if n_segs > 1:
+            if n_live > 1:
                 m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
-                blk_lo = seg * seg_blocks
-                blk_hi = tl.minimum(blk_lo + seg_blocks, n_blocks)
+                blk_lo = tl.maximum(seg * seg_blocks, blk_start)
+                blk_hi = tl.minimum((seg + 1) * seg_blocks, n_blocks)
                 m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
                                                 table_ptr, first_pages, blk_lo, blk_hi, ctx,
                                                 pos, max_blocks, num_pages, qk_scale,
                                                 stride_kb, stride_ks, stride_vb, stride_vs,
-                                                PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                                                window, PAGE, BLOCK_N, HEAD_DIM,
+                                                DOT_PRECISION, HAS_WINDOW)
                 _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den,
                                acc, row_ok, offs_d, HEAD_DIM)
                 # the next segment of this CTA starts seg_step segments on
-                first_pages = _block_pages(table_ptr, (blk_lo + seg_step * seg_blocks)
+                first_pages = _block_pages(table_ptr, (seg + seg_step) * seg_blocks
                                            * BLOCK_N + tl.arange(0, BLOCK_N), ctx, max_blocks,
                                            PAGE)
     else:
@@ -636,13 +695,13 @@ def _paged_attention_kernel(
         big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
         m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
-        for blk in range(0, n_blocks):
+        for blk in range(blk_start, n_blocks):
             page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
                                 PAGE).to(tl.int64)
             m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
                                        pos, num_pages, qk_scale, stride_kb, stride_ks,
-                                       stride_vb, stride_vs, PAGE, BLOCK_N, HEAD_DIM,
-                                       DOT_PRECISION)
+                                       stride_vb, stride_vs, window, PAGE, BLOCK_N, HEAD_DIM,
+                                       DOT_PRECISION, HAS_WINDOW)
             if ((blk + 1) % seg_blocks == 0) | (blk + 1 == n_blocks):
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
                 m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
@@ -658,7 +717,7 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             tile_id = pid * tl.num_programs(1) + kv_head
             done = tl.atomic_add(counter_ptr + tile_id, mine, sem="acq_rel", scope="gpu")
-            if done + mine == n_segs:
+            if done + mine == n_live:
                 n_rows = tl.minimum(BLOCK_Q, q_len - q_lo) * GROUP
                 for r0 in range(0, n_rows, MERGE_ROWS):
                     r = r0 + tl.arange(0, MERGE_ROWS)
@@ -672,7 +731,7 @@ def _paged_attention_kernel(
                     # Eight segments' loads in flight, then eight folds in order (a fold past
                     # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
                     # (Sixteen in flight measured no faster.)
-                    for s0 in range(0, n_segs, 8):
+                    for s0 in range(seg_lo, n_segs, 8):
                         parts = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
                                                offs_d, ok, part_stride, HEAD_DIM)
                         tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a, parts)
@@ -718,6 +777,7 @@ def check_attention_args(
     scale: float,
     out: torch.Tensor | None,
     max_query_len: int | None,
+    window: int | None = None,
 ) -> AttentionProblem:
     """Validate a paged-attention call; every failure is a ValueError naming the argument.
 
@@ -725,7 +785,8 @@ def check_attention_args(
     Checked only when the index tensors are on the CPU (a read there is free; on CUDA it would
     sync the stream and break graph capture): query_start_loc starts at 0, never decreases and
     ends at T; every q_len <= seq_len; every seq_len fits its block-table row; the used pages
-    exist; max_query_len covers every q_len. On CUDA these are the caller's contract; the kernel
+    exist (with a window: the pages from the first query's window start on); max_query_len
+    covers every q_len. On CUDA these are the caller's contract; the kernel
     never reads or writes out of bounds on a violation, but its results are then undefined.
     """
     q = check_tensor("q", q, ndim=3, dtypes=_DTYPES, unit_last_stride=True)
@@ -743,8 +804,8 @@ def check_attention_args(
     check_shape("v_cache", v_cache, k_cache.shape)
     if dk != d:
         raise ValueError(f"k_cache head_dim {dk} must match q head_dim {d}")
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"q head_dim must be a power of two in [16, 256], got {d}")
+    if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
+        raise ValueError(f"q head_dim must be a power of two in [16, {MAX_HEAD_DIM}], got {d}")
     if hk < 1 or hq % hk:
         raise ValueError(f"q has {hq} heads, not a multiple of k_cache's {hk} KV heads")
     if hq // hk > 128:
@@ -762,6 +823,9 @@ def check_attention_args(
     if max_query_len is not None and (isinstance(max_query_len, bool)
                                       or not isinstance(max_query_len, int) or max_query_len < 0):
         raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or not 1 <= window < 2**31):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                "seq_lens": seq_lens, "query_start_loc": query_start_loc}
     if out is not None:
@@ -769,13 +833,13 @@ def check_attention_args(
     check_same_device(**tensors)
     if query_start_loc.device.type == "cpu":
         max_query_len = _check_contents(block_tables, seq_lens, query_start_loc, num_tokens,
-                                        page, num_blocks, max_query_len)
+                                        page, num_blocks, max_query_len, window)
     return AttentionProblem(num_tokens, hq, hk, d, num_seqs, page, block_tables.shape[1],
                             max_query_len)
 
 
 def _check_contents(block_tables, seq_lens, query_start_loc, num_tokens, page, num_blocks,
-                    max_query_len):
+                    max_query_len, window=None):
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
     if int(qsl[0]) != 0 or bool((q_lens < 0).any()) or int(qsl[-1]) != num_tokens:
@@ -789,7 +853,10 @@ def _check_contents(block_tables, seq_lens, query_start_loc, num_tokens, page, n
     if bool((lens > capacity).any()):
         raise ValueError(f"block_tables too short: {block_tables.shape[1]} pages of {page} hold "
                          f"{capacity} positions, but seq_lens reach {int(lens.max())}")
-    used = torch.arange(block_tables.shape[1])[None, :] < -(-lens[:, None] // page)
+    cols = torch.arange(block_tables.shape[1])[None, :]
+    used = cols < -(-lens[:, None] // page)
+    if window is not None:  # pages wholly before the first query's window are not read
+        used &= cols >= ((lens - q_lens - window + 1).clamp(min=0) // page)[:, None]
     pages = block_tables.long()[used]
     if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
         raise ValueError(f"block_tables must index pages in [0, {num_blocks}) for every used "
@@ -951,6 +1018,7 @@ def paged_attention(
     max_query_len: int | None = None,
     kv_split: int | None = None,
     kv_ctas: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant causal attention over the paged cache; see the module docstring.
 
@@ -960,9 +1028,10 @@ def paged_attention(
     of the numerics: keep it fixed (tests pass small values to exercise the fold).
     ``kv_ctas``: CTAs sharing one query tile's segments (1 = unsplit). None picks it from the
     work size; it never changes the bits.
+    ``window``: a sliding window of that many keys per query (its own included), or None.
     """
     problem = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, out, max_query_len)
+                                   scale, out, max_query_len, window)
     segment = KV_SEGMENT if kv_split is None else kv_split
     if isinstance(segment, bool) or not isinstance(segment, int) or segment < BLOCK_N \
             or segment % BLOCK_N:
@@ -982,7 +1051,10 @@ def paged_attention(
     max_segs = cdiv(problem.capacity, segment)
     scratch_floats = max_segs * problem.num_tokens * problem.num_q_heads * (problem.head_dim + 2)
     ctas = default_kv_ctas(slots * hk, scratch_floats) if kv_ctas is None else kv_ctas
-    ctas = max(1, min(ctas, max_segs))
+    # A tile of a windowed call reads at most the segments its rows' windows touch.
+    live_segs = max_segs if window is None else min(
+        max_segs, cdiv(window + block_q - 1, segment) + 1)
+    ctas = max(1, min(ctas, live_segs))
     counters = None
     if ctas > 1:
         counters = COUNTERS.get(_device_key(q.device), slots * hk)
@@ -1005,7 +1077,7 @@ def paged_attention(
         part_acc, part_ml, counters,
         float(scale) * LOG2E,
         problem.num_seqs, problem.num_tokens, problem.num_q_heads, problem.max_blocks,
-        k_cache.shape[0], per_seq, segment // BLOCK_N,
+        k_cache.shape[0], per_seq, segment // BLOCK_N, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -1017,7 +1089,7 @@ def paged_attention(
         SPLIT=ctas > 1,
         MERGE_ROWS=_merge_rows(cfg.block_m, problem.group, problem.max_query_len)
         if ctas > 1 else _MERGE_ROWS,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_WINDOW=window is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q),
     )
     return out

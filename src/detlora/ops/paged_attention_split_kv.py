@@ -36,7 +36,8 @@ _MAX_SPLITS = 128
 _MAX_SCRATCH_FLOATS = 1 << 25
 
 
-@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=INDEX_POINTERS)
+@triton.jit(do_not_specialize=[*STEP_INTS, "window"],
+            do_not_specialize_on_alignment=INDEX_POINTERS)
 def _split_kv_kernel(
     q_ptr,
     k_cache_ptr,
@@ -54,6 +55,7 @@ def _split_kv_kernel(
     max_blocks,
     num_pages,
     tiles_per_seq,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -75,6 +77,7 @@ def _split_kv_kernel(
     BLOCK_B: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)  # ops/pdl.py: before any read or store
@@ -92,13 +95,16 @@ def _split_kv_kernel(
     ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)
     kv_end = tl.minimum(ctx - q_len + tl.minimum(q_lo + BLOCK_Q, q_len), max_blocks * PAGE)
     n_blocks = tl.cdiv(kv_end, BLOCK_N)
+    blk_start = 0
+    if HAS_WINDOW:  # the block of the tile's first window start
+        blk_start = tl.maximum(ctx - q_len + q_lo - window + 1, 0) // BLOCK_N
     if SPLIT:
         split = tl.program_id(2)
-        per_split = tl.cdiv(n_blocks, tl.num_programs(2))
-        blk_lo = split * per_split
+        per_split = tl.cdiv(n_blocks - blk_start, tl.num_programs(2))
+        blk_lo = blk_start + split * per_split
         blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
     else:
-        blk_lo = 0
+        blk_lo = blk_start
         blk_hi = n_blocks
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -122,7 +128,7 @@ def _split_kv_kernel(
         v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
         blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-        stride_vs, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT,
+        stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT, HAS_WINDOW,
     )
     if SPLIT:
         # Every split stores, empty ones too (max -inf, sum 0), so the combine reads them all.
@@ -173,7 +179,7 @@ def _combine_kernel(
 
 def split_kv_config(head_dim: int, group: int, decode_only: bool) -> tuple[int, int, int]:
     """(BLOCK_M, num_warps, num_stages): a 16-row tile when every query is a decode step."""
-    if decode_only and group <= 16:
+    if decode_only and group <= 16 and head_dim <= 256:
         return 16, 4, 3
     cfg = tile_config(head_dim, group)
     return cfg.block_m, cfg.num_warps, cfg.num_stages
@@ -191,14 +197,16 @@ def paged_attention_split_kv(
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Fast, non-batch-invariant paged attention (see the module docstring).
 
     ``num_splits`` None: chosen from the number of query tiles x KV heads (FlashDecoding's
-    rule: enough CTAs to fill the GPU twice), capped by the block-table width.
+    rule: enough CTAs to fill the GPU twice), capped by the block-table width (with a sliding
+    ``window``, by the blocks a window spans).
     """
     problem = check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, out, max_query_len)
+                                   scale, out, max_query_len, window)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= _MAX_SPLITS):
@@ -215,6 +223,8 @@ def paged_attention_split_kv(
     slots, per_seq, search = tile_slots(problem, block_q)
     hk = problem.num_kv_heads
     max_splits = min(_MAX_SPLITS, cdiv(problem.capacity, BLOCK_N))
+    if window is not None:
+        max_splits = min(max_splits, cdiv(window + block_q - 1, BLOCK_N) + 1)
     rows = problem.num_tokens * problem.num_q_heads
     if num_splits is None:
         splits = 1
@@ -234,7 +244,7 @@ def paged_attention_split_kv(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, part_acc, part_ml,
         float(scale) * LOG2E,
         problem.num_seqs, problem.num_tokens, problem.num_q_heads, problem.max_blocks,
-        k_cache.shape[0], per_seq,
+        k_cache.shape[0], per_seq, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -244,6 +254,7 @@ def paged_attention_split_kv(
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs) if search else 128,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window is not None,
         num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
     if splits > 1:
