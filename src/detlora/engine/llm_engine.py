@@ -48,6 +48,7 @@ from detlora.engine.sample.sampler import (
 from detlora.engine.sample.stop_strings import match_stop_string
 from detlora.engine.sched.block_hashes import UNREAD
 from detlora.engine.sched.block_manager import BlockManager
+from detlora.engine.sched.grouped_block_manager import GroupedBlockManager
 from detlora.engine.sched.scheduler import Scheduler, SchedulerOutput
 from detlora.engine.sched.sequence import FinishReason, SequenceStatus
 from detlora.engine.sched.sequence import Sequence as Seq
@@ -231,6 +232,12 @@ class LLMEngine:
 
         started = time.perf_counter()
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        # Per KV group where the model keeps several (sliding windows): group 0 gets
+        # ``num_blocks``, each window group the pages its sequences can hold at once.
+        kv_blocks = kv_sizing.group_blocks(
+            self.model, num_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens)
         if config.num_kv_blocks is None and self.device.type == "cuda":
             logger.info("KV cache sized from gpu_memory_utilization=%s in %.1f s",
                         config.gpu_memory_utilization, time.perf_counter() - started)
@@ -242,7 +249,7 @@ class LLMEngine:
                                logprobs_mode=config.logprobs_mode)
         started = time.perf_counter()
         runner_args = dict(
-            num_blocks=num_blocks, block_size=config.block_size,
+            num_blocks=kv_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             num_adapters=config.max_loras if config.enable_lora else None,
             use_cuda_graphs=use_graphs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -269,8 +276,13 @@ class LLMEngine:
             logger.info("CUDA graphs captured in %.1f s", built)
             if kernel_key is not None:
                 kernel_cache.mark_kernels_cached(kernel_key, built)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_caching=config.resolved_prefix_caching)
+        if isinstance(kv_blocks, int):
+            self.block_manager = BlockManager(num_blocks, config.block_size,
+                                              enable_caching=config.resolved_prefix_caching)
+        else:
+            self.block_manager = GroupedBlockManager(
+                kv_blocks, [g.window for g in self.model.kv_groups], config.block_size,
+                enable_caching=config.resolved_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -311,8 +323,9 @@ class LLMEngine:
         # Running ahead pays where the GPU runs behind the host; on the CPU it would only
         # add work (tests turn it on there to compare bits).
         self.run_ahead = self.runner.uses_cuda_graphs
-        kv_gib = num_blocks * config.block_size * self.spec.kv_cache_bytes_per_token(
-            self.dtype) / 2**30
+        kv_gib = sum(n * b for n, b in zip(
+            [kv_blocks] if isinstance(kv_blocks, int) else kv_blocks,
+            self.model.kv_page_bytes(config.block_size), strict=True)) / 2**30
         logger.info(
             "engine ready: %s on %s, %s, determinism %s (LoRA reduction %s), KV cache %d "
             "blocks of %d tokens (%.2f GiB), %s, fingerprint %s", config.model, self.device,
@@ -365,7 +378,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             return kv_sizing.cpu_num_blocks(self.model, block_size=c.block_size,
                                             max_num_seqs=c.max_num_seqs,
-                                            max_model_len=self.max_model_len)
+                                            max_model_len=self.max_model_len,
+                                            max_num_batched_tokens=c.max_num_batched_tokens)
         runner_args = dict(block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                            max_model_len=self.max_model_len,
                            num_adapters=c.max_loras if c.enable_lora else None)
@@ -796,9 +810,8 @@ class LLMEngine:
         ):
             return None
         rows = {id(seq): r for r, seq in enumerate(current.seqs)}
-        block_size = self.block_manager.block_size
         offset = self.scheduler.position_offset
-        pages = 0
+        needs = []
         for seq in running:
             length = len(seq.token_ids)  # with the unread token
             if (
@@ -809,8 +822,8 @@ class LLMEngine:
                 or (offset is not None and offset(length) != seq.position_offset)
             ):
                 return None
-            pages += max(0, -(-length // block_size) - len(seq.block_table))  # blocks_needed
-        if pages > self.block_manager.num_free:
+            needs.append((seq, length))
+        if not self.block_manager.fits(needs):  # pages for every next token, in every group
             return None
         decoding = len(running)
         sched = self.scheduler.schedule()

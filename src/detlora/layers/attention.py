@@ -1,5 +1,10 @@
 """Self-attention over a paged KV cache: fused q/k/v projection, optional per-head q/k
-RMSNorm (Qwen3), rotary, KV write into the pages, paged attention, output projection."""
+RMSNorm (Qwen3, Gemma) and weightless V norm (Gemma 4), rotary, KV write into the pages,
+paged attention (full causal or a sliding window), output projection.
+
+A layer that reads an earlier layer's K/V (Gemma 4's KV-shared layers, ``has_kv=False``)
+projects only q and attends over the pages bound to it, the producer's. ``kv_group`` names
+the group of KV pages (models/layer_spec.py) whose slots and block tables it uses."""
 
 from __future__ import annotations
 
@@ -42,6 +47,12 @@ class Attention(nn.Module):
         device: torch.device | str | None = None,
         lora: LoRAConfig | None = None,
         tp: TensorParallelGroup | None = None,
+        scale: float | None = None,
+        window: int | None = None,
+        has_kv: bool = True,
+        qk_norm_unit_offset: bool = False,
+        v_norm_eps: float | None = None,
+        kv_group: int = 0,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -58,24 +69,34 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.window = window
+        self.has_kv = has_kv
+        self.kv_group = kv_group
         common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora, tp=tp)
         q_rows = (q_heads[0] * head_dim, q_heads[1] * head_dim)
         kv_rows = (kv_heads[0] * head_dim, kv_heads[1] * head_dim)
         full_kv = num_kv_heads * head_dim
         self.qkv_proj = ColumnParallelLinear(
-            hidden_size, (num_heads * head_dim, full_kv, full_kv),
-            shards=(q_rows, kv_rows, kv_rows), **common)
+            hidden_size, (num_heads * head_dim, full_kv, full_kv) if has_kv else
+            (num_heads * head_dim,), shards=(q_rows, kv_rows, kv_rows) if has_kv else
+            (q_rows,), **common)
         # ``bias`` is q/k/v's, ``o_bias`` o_proj's (None: the same; False: q/k/v only).
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size,
                                         **{**common, "bias": bias if o_bias is None else o_bias})
         self.rotary = rotary
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.v_norm: RMSNorm | None = None
+        norm = dict(backend=backend, dtype=dtype, device=device)
         if qk_norm_eps is not None:
-            norm = dict(backend=backend, dtype=dtype, device=device)
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, **norm)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, **norm)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset,
+                                  **norm)
+            if has_kv:
+                self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset,
+                                      **norm)
+        if v_norm_eps is not None and has_kv:
+            self.v_norm = RMSNorm(head_dim, v_norm_eps, with_weight=False, **norm)
         # Pages [num_blocks, block_size, Hk, D], owned by the engine and bound before use;
         # plain attributes, not buffers: the cache is neither a weight nor moved with .to().
         self.k_cache: torch.Tensor | None = None
@@ -107,9 +128,23 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise ValueError("no KV cache bound: call bind_kv_cache (or the model's) first")
+        attn = attn.for_group(self.kv_group)
         t = x.shape[0]
         qkv, pending = self.qkv_proj.forward_unexpanded(x, lora)
-        if pending is not None and self.q_norm is None:
+        if not self.has_kv:  # q only: K/V are the producer's, already in the pages
+            if pending is not None:
+                qkv = self.backend.lora_expand(qkv, pending.shrink_out, pending.lora_b, lora,
+                                               pending.slice_offsets,
+                                               slot_ranks=pending.slot_ranks)
+            q = qkv.reshape(t, self.num_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads,
+                                                                   self.head_dim)
+            # Rotary rotates q and k alike, head by head: a one-head view of q stands in for
+            # the k it needs (its rotation is dropped).
+            q, _ = self.backend.rotary(q, q[:, :1], positions, self.rotary.cos_sin)
+            return self._attend(q, attn, lora)
+        if pending is not None and self.q_norm is None and self.v_norm is None:
             # The q|k|v expand fused into rotary and the KV write: one launch, the same bits.
             q = self.backend.expand_rotate_and_write_kv(
                 qkv, pending.shrink_out, pending.lora_b, lora, pending.slice_offsets, positions,
@@ -127,6 +162,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # strided rows: write_kv takes them
+        if self.v_norm is not None:
+            v = self.v_norm(v.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
+                                                               self.head_dim)
         # Reads strided rows; q comes back contiguous, k and v go into the pages.
         q = self.rotary.rotate_and_write_kv(q, k, v, positions, self.k_cache, self.v_cache,
                                             attn.slot_mapping)
@@ -135,12 +173,22 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, attn: AttentionMetadata,
                 lora: AdapterGroups | None) -> torch.Tensor:
         """Paged attention of the rotated q over the pages, then the output projection."""
-        o = self.backend.paged_attention(
-            q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
-            attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
-        )
+        if self.window is None:
+            o = self.backend.paged_attention(
+                q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
+                attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
+            )
+        else:
+            o = self.backend.paged_attention(
+                q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens,
+                attn.query_start_loc, self.scale, max_query_len=attn.max_query_len,
+                window=self.window,
+            )
         return self.o_proj(o.reshape(q.shape[0], self.q_size), lora)
 
     def extra_repr(self) -> str:
+        extra = "" if self.window is None else f", window={self.window}"
+        if not self.has_kv:
+            extra += ", reads another layer's K/V"
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, qk_norm={self.q_norm is not None}")
+                f"head_dim={self.head_dim}, qk_norm={self.q_norm is not None}{extra}")

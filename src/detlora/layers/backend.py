@@ -98,6 +98,12 @@ class OpBackend:
     # The sampler's Gumbel-max and top-k/top-p filters: Triton kernels (True) or their torch
     # references; both give the same tokens.
     sampling_kernels: bool = False
+    # Gemma's elementwise ops (ops/gelu_and_mul.py, ops/softcap.py): (x [T, 2I]) -> GeGLU;
+    # (g, u) -> gelu_tanh(g) * u; (logits, cap) -> cap * tanh(logits / cap). Bound with the
+    # others by make_backend; None only in an OpBackend built by hand.
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gelu_tanh_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    softcap: Callable[[torch.Tensor, float], torch.Tensor] | None = None
 
     @property
     def lora_in_gemm(self) -> bool:
@@ -126,6 +132,25 @@ class OpBackend:
                                                  slot_ranks=slot_ranks)
         return self.silu_and_mul(self.lora_expand(y, shrink_out, lora_b, groups, None,
                                                   slot_ranks=slot_ranks))
+
+    def act_and_mul(self, activation: str, y: torch.Tensor) -> torch.Tensor:
+        """The gated activation ``activation`` ("silu" or "gelu_tanh") of gate|up ``y``."""
+        if activation == "silu":
+            return self.silu_and_mul(y)
+        assert activation == "gelu_tanh" and self.gelu_tanh_and_mul is not None
+        return self.gelu_tanh_and_mul(y)
+
+    def expand_act_and_mul(
+        self, activation: str, y: torch.Tensor, shrink_out: Any, lora_b: torch.Tensor,
+        groups: Any, *, slot_ranks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``act_and_mul`` of gate|up ``y`` plus its LoRA update (``y`` may be overwritten):
+        SiLU fused into the expand where the kernel exists, else the expand then the op."""
+        if activation == "silu":
+            return self.expand_silu_and_mul(y, shrink_out, lora_b, groups,
+                                            slot_ranks=slot_ranks)
+        y = self.lora_expand(y, shrink_out, lora_b, groups, None, slot_ranks=slot_ranks)
+        return self.act_and_mul(activation, y)
 
     def rotate_and_write_kv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -185,6 +210,9 @@ _OPS: dict[str, tuple[str, str, str]] = {
     "log_softmax": ("softmax", "log_softmax_ref", "log_softmax"),
     "argmax": ("reductions", "argmax_ref", "argmax"),
     "chosen_logprob": ("softmax", "chosen_logprob_ref", "chosen_logprob"),
+    "gelu_tanh_and_mul": ("gelu_and_mul", "gelu_tanh_and_mul_ref", "gelu_tanh_and_mul"),
+    "gelu_tanh_mul": ("gelu_and_mul", "gelu_tanh_mul_ref", "gelu_tanh_mul"),
+    "softcap": ("softcap", "softcap_ref", "softcap"),
 }
 
 # How each CUDA level implements each op:
@@ -204,7 +232,8 @@ _POLICY: dict[Determinism, dict[str, str]] = {
     # with a reduction must be a detlora kernel.
     Determinism.BATCH_INVARIANT: {
         **dict.fromkeys(_OPS, "kernel"),
-        **dict.fromkeys(("embedding", "rotary", "silu_and_mul", "write_kv"), "any"),
+        **dict.fromkeys(("embedding", "rotary", "silu_and_mul", "write_kv", "gelu_tanh_and_mul",
+                         "gelu_tanh_mul", "softcap"), "any"),
     },
 }
 # Kernels whose range checks sync the host: the engine guarantees ids < vocab and positions

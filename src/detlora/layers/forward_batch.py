@@ -8,7 +8,7 @@ How engine/, models/, layers/ and lora/ fit together: docs/design.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,6 +28,21 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B + 1]: sequence b owns token rows [qsl[b], qsl[b+1])
     max_query_len: int  # host-side: longest q_len in the batch (1 for a pure decode step)
     max_seq_len: int  # host-side: longest seq_len in the batch
+    # Models whose layers keep their KV pages in several groups (models/layer_spec.py:
+    # sliding windows, see docs/design.md): the slots and pages of groups 1.. (group 0's are
+    # the fields above); None with one group.
+    group_slot_mapping: torch.Tensor | None = None  # int64 [G - 1, T]
+    group_block_tables: torch.Tensor | None = None  # int32 [G - 1, B, max_blocks]
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group ``group``: this one for group 0."""
+        if group == 0:
+            return self
+        if self.group_slot_mapping is None or self.group_block_tables is None:
+            raise ValueError(f"KV group {group} has no slots or block tables in this batch")
+        return replace(self, slot_mapping=self.group_slot_mapping[group - 1],
+                       block_tables=self.group_block_tables[group - 1],
+                       group_slot_mapping=None, group_block_tables=None)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""SwiGLU MLP: fused gate|up projection, SiLU(gate) * up (with the gate|up LoRA expand),
-down projection."""
+"""Gated MLP: fused gate|up projection, act(gate) * up (with the gate|up LoRA expand), down
+projection; act is SiLU (SwiGLU: Llama, Qwen3) or tanh-approximated GELU (GeGLU: Gemma)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,13 @@ class GatedMLP(nn.Module):
         device: torch.device | str | None = None,
         lora: LoRAConfig | None = None,
         tp: TensorParallelGroup | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
         self.backend = backend
+        self.activation = activation
         common = dict(backend=backend, bias=bias, dtype=dtype, device=device, lora=lora, tp=tp)
         self.gate_up_proj = ColumnParallelLinear(hidden_size, (intermediate_size,) * 2,
                                                  **common)
@@ -39,8 +43,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: AdapterGroups | None = None) -> torch.Tensor:
         gate_up, pending = self.gate_up_proj.forward_unexpanded(x, lora)
         if pending is None:
-            h = self.backend.silu_and_mul(gate_up)
-        else:  # the gate|up expand fused into the activation: one launch, same bits
-            h = self.backend.expand_silu_and_mul(gate_up, pending.shrink_out, pending.lora_b,
-                                                 lora, slot_ranks=pending.slot_ranks)
+            h = self.backend.act_and_mul(self.activation, gate_up)
+        else:  # the gate|up expand fused into the activation where it can be: same bits
+            h = self.backend.expand_act_and_mul(self.activation, gate_up, pending.shrink_out,
+                                                pending.lora_b, lora,
+                                                slot_ranks=pending.slot_ranks)
         return self.down_proj(h, lora)

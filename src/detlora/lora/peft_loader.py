@@ -36,7 +36,10 @@ from detlora.models.finite_weights import check_finite
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                     "qkv_proj", "gate_up_proj")
+                     "qkv_proj", "gate_up_proj",
+                     # Gemma 4's per-layer-embedding linears (models/gemma4.py)
+                     "per_layer_input_gate", "per_layer_projection",
+                     "per_layer_model_projection")
 
 # adapter_config.json fields whose non-empty values change the forward pass in ways the
 # engine does not implement: field -> what to tell the user.
@@ -76,6 +79,7 @@ def load_peft_adapter(
     where = f"{path / WEIGHTS_FILE}"
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    origin: dict[str, str] = {}  # module -> its name in the adapter (what patterns match)
     for key, t in weights.items():
         m = _KEY.match(key)
         if m is None:
@@ -84,6 +88,10 @@ def load_peft_adapter(
         module, ab = m["module"], m["ab"]
         if module not in target_shapes and f"model.{module}" in target_shapes:
             module = f"model.{module}"  # trained on the bare decoder (LlamaModel), no LM head
+        module = _text_tower_name(module, target_shapes)
+        refused = getattr(target_shapes, "refused", {})
+        if module in refused:
+            raise ValueError(f"{where}: tensor {key!r} targets {module!r}: {refused[module]}")
         if module not in target_shapes:
             names = [t for t in SUPPORTED_TARGETS
                      if any(n.endswith(f".{t}") for n in target_shapes)]
@@ -93,6 +101,7 @@ def load_peft_adapter(
         if ab in pairs.setdefault(module, {}):
             raise ValueError(f"{where}: lora_{ab} of {module!r} appears twice")
         pairs[module][ab] = t
+        origin[module] = m["module"]
     if not pairs:
         raise ValueError(f"{where} holds no LoRA weights")
 
@@ -100,14 +109,14 @@ def load_peft_adapter(
     alpha_default = cfg["lora_alpha"]
     rank_pattern: Mapping[str, Any] = cfg.get("rank_pattern") or {}
     alpha_pattern: Mapping[str, Any] = cfg.get("alpha_pattern") or {}
-    matches = match_modules(cfg, sorted(pairs), path / CONFIG_FILE)
+    matches = match_modules(cfg, sorted(set(origin.values())), path / CONFIG_FILE)
     modules: dict[str, LoRAModuleWeights] = {}
     for module in sorted(pairs):
         ab = pairs[module]
         if set(ab) != {"A", "B"}:
             missing = "lora_B" if "A" in ab else "lora_A"
             raise ValueError(f"{where}: {module!r} has no {missing} weight")
-        match = matches[module]
+        match = matches[origin[module]]
         if not match.targeted:
             raise ValueError(f"{where}: {module!r} has weights but adapter_config.json does not "
                              "target it (target_modules / layers_to_transform)")
@@ -155,6 +164,25 @@ def _split_fused(modules: Mapping[str, LoRAModuleWeights], fused: Mapping[str, t
             out[part] = LoRAModuleWeights(a=m.a, b=m.b[start:start + rows], scale=m.scale)
             start += rows
     return out
+
+
+# A multimodal checkpoint's text tower and the same text model on its own (Gemma): PEFT names
+# its modules under one prefix or the other.
+_TOWER, _TEXT = "model.language_model.", "model."
+
+
+def _text_tower_name(module: str, target_shapes: Mapping[str, Any]) -> str:
+    """``module`` under the prefix the model uses, when the adapter was trained on the
+    other form of the same text model (multimodal text tower vs text-only)."""
+    if module in target_shapes:
+        return module
+    if module.startswith(_TOWER):
+        other = _TEXT + module[len(_TOWER):]
+    elif module.startswith(_TEXT):
+        other = _TOWER + module[len(_TEXT):]
+    else:
+        return module
+    return other if other in target_shapes else module
 
 
 def _read_config(path: Path) -> dict[str, Any]:

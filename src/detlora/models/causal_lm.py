@@ -30,6 +30,7 @@ captured in a CUDA graph around static ForwardBatch tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -52,7 +53,8 @@ from detlora.layers.vocab_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_logits,
 )
-from detlora.models.kv_cache import KVCache
+from detlora.models.kv_cache import KVCache, LayerPages
+from detlora.models.layer_spec import KVGroup, LayerAttention, kv_groups
 from detlora.models.spec import ModelSpec
 from detlora.models.windows import attention_windows
 from detlora.ops.longrope import longrope_offsets_vary, longrope_position_offset
@@ -104,31 +106,80 @@ class DecoderForCausalLM(nn.Module):
                             head_dim=spec.head_dim)
         kw = dict(backend=backend, dtype=self.dtype, device=device)
         par = dict(kw, tp=self.tp)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, **par)
-        # Per layer: the sliding window to apply (refused for now where it would matter).
+        self.device = device
+        # Per layer: the sliding window config.json's window fields ask for (Mistral, Qwen2,
+        # Phi-3; refused for now where it would matter: models/windows.py).
         self.windows = attention_windows(spec, self.max_positions)
-        # One cos/sin table shared by every layer.
-        rotary = RotaryEmbedding(spec.head_dim, self.max_positions, spec.rope_theta,
-                                 spec.rope_scaling, backend=backend, device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                Attention(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                          rotary, bias=spec.attention_bias or spec.qkv_bias,
-                          o_bias=spec.attention_bias,
-                          qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
-                          lora=lora, **par),
-                GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                         lora=lora, **par),
-                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
-                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
-            )
-            for _ in range(spec.num_layers)
-        )
+        # Each layer's attention: the spec's where layers differ (Gemma), else the uniform
+        # one with the window above.
+        self.layer_attention: list[LayerAttention] = [
+            spec.attention(i) if spec.layer_attention is not None
+            else replace(spec.attention(i), window=self.windows[i])
+            for i in range(spec.num_layers)]
+        # KV page groups (one for a uniform model) and each layer's group: a layer that
+        # reads another's K/V is in its producer's.
+        self.kv_groups: tuple[KVGroup, ...] = kv_groups(self.layer_attention)
+        self.layer_group = [0] * spec.num_layers
+        for g, group in enumerate(self.kv_groups):
+            for i in group.layers:
+                self.layer_group[i] = g
+        for i, a in enumerate(self.layer_attention):
+            if a.kv_source is not None:
+                self.layer_group[i] = self.layer_group[a.kv_source]
+        self._rotaries: dict[tuple, RotaryEmbedding] = {}
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, **par)
+        self.layers = nn.ModuleList(self.build_layers())
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.lm_head: ParallelLMHead | None = (
             None if spec.tie_word_embeddings
             else ParallelLMHead(spec.vocab_size, spec.hidden_size, **par)
         )
+
+    # ---- construction (families override ``build_layers``) ----
+
+    def build_layers(self) -> list[nn.Module]:
+        """The decoder layers: pre-norm blocks (Llama, Qwen3; a window where the spec sets
+        one)."""
+        spec, kw = self.spec, self._kw()
+        return [
+            DecoderLayer(
+                self.build_attention(i, qk_norm_eps=spec.rms_norm_eps if spec.qk_norm
+                                     else None),
+                GatedMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
+                         lora=self.lora_config, **kw, tp=self.tp),
+                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
+                RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw),
+            )
+            for i in range(spec.num_layers)
+        ]
+
+    def _kw(self) -> dict:
+        return dict(backend=self.backend, dtype=self.dtype, device=self.device)
+
+    def rotary_for(self, a: LayerAttention) -> RotaryEmbedding:
+        """The cos/sin table of a layer's head size and rotary parameters, one per distinct
+        pair (every layer of a uniform model shares one)."""
+        scaling = tuple(sorted(a.rope.scaling.items())) if a.rope.scaling else None
+        key = (a.head_dim, a.rope.theta, scaling)
+        if key not in self._rotaries:
+            self._rotaries[key] = RotaryEmbedding(a.head_dim, self.max_positions, a.rope.theta,
+                                                  a.rope.scaling, backend=self.backend,
+                                                  device=self.device)
+        return self._rotaries[key]
+
+    def build_attention(self, i: int, *, qk_norm_eps: float | None,
+                        qk_norm_unit_offset: bool = False,
+                        v_norm_eps: float | None = None) -> Attention:
+        """Layer ``i``'s attention from its ``LayerAttention``: head size, KV heads, window,
+        softmax scale, rotary table, KV group, and whether it computes K/V of its own."""
+        spec, a = self.spec, self.layer_attention[i]
+        return Attention(spec.hidden_size, spec.num_heads, a.num_kv_heads, a.head_dim,
+                         self.rotary_for(a), bias=spec.attention_bias or spec.qkv_bias,
+                         o_bias=spec.attention_bias, qk_norm_eps=qk_norm_eps,
+                         lora=self.lora_config, scale=a.scale, window=a.window,
+                         has_kv=a.is_producer, qk_norm_unit_offset=qk_norm_unit_offset,
+                         v_norm_eps=v_norm_eps, kv_group=self.layer_group[i], **self._kw(),
+                         tp=self.tp)
 
     # ---- compute ----
 
@@ -189,18 +240,54 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        """KV heads whose pages this rank holds (all of them on one rank)."""
+        """KV heads whose pages this rank holds (all of them on one rank), of layer 0."""
         return self.layers[0].self_attn.num_kv_heads
 
-    def kv_cache_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, in bytes, for the KV heads held here."""
-        full = self.spec.kv_cache_bytes_per_token(self.dtype)
-        return full * self.num_local_kv_heads // self.spec.num_kv_heads
+    @property
+    def uniform_kv(self) -> bool:
+        """One group of full-attention layers that all keep their own K/V of one shape."""
+        return len(self.kv_groups) == 1 and self.kv_groups[0].window is None \
+            and len(self.kv_groups[0].layers) == self.spec.num_layers \
+            and len({(lp.num_kv_heads, lp.head_dim) for lp in self.layer_pages()}) == 1
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        kv = KVCache.allocate(self.spec, num_blocks, block_size, dtype=self.dtype,
-                              device=self.embed_tokens.weight.device,
-                              num_kv_heads=self.num_local_kv_heads)
+    def layer_pages(self) -> list[LayerPages]:
+        """Where each layer's K/V live (its group and page shape here, or its producer)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            attn, a = layer.self_attn, self.layer_attention[i]
+            out.append(LayerPages(self.layer_group[i], attn.num_kv_heads, attn.head_dim,
+                                  a.kv_source))
+        return out
+
+    def kv_page_bytes(self, block_size: int) -> tuple[int, ...]:
+        """Bytes of one page of each KV group on this rank (its KV heads only)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        sizes = [0] * len(self.kv_groups)
+        for lp in self.layer_pages():
+            if lp.source is None:
+                sizes[lp.group] += 2 * block_size * lp.num_kv_heads * lp.head_dim * elem
+        return tuple(sizes)
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """K and V of one token over every layer with a cache of its own, in bytes, for the
+        KV heads held here."""
+        return sum(self.kv_page_bytes(1))
+
+    def allocate_kv_cache(self, num_blocks: int | Sequence[int], block_size: int) -> KVCache:
+        """Allocate and bind the pages: ``num_blocks`` per KV group, or one count for every
+        group (a throw-away cache for profiling)."""
+        blocks = [num_blocks] * len(self.kv_groups) if isinstance(num_blocks, int) \
+            else list(num_blocks)
+        if len(blocks) != len(self.kv_groups):
+            raise ValueError(f"the model keeps its KV pages in {len(self.kv_groups)} groups, "
+                             f"got page counts {blocks}")
+        device = self.embed_tokens.weight.device
+        if self.uniform_kv:
+            kv = KVCache.allocate(self.spec, blocks[0], block_size, dtype=self.dtype,
+                                  device=device, num_kv_heads=self.num_local_kv_heads)
+        else:
+            kv = KVCache.allocate_layers(self.layer_pages(), blocks, block_size,
+                                         dtype=self.dtype, device=device)
         self.bind_kv_cache(kv)
         return kv
 
@@ -220,6 +307,14 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.release_kv_cache()
 
     # ---- checkpoint and adapter mapping ----
+
+    embedding_weight_name = "model.embed_tokens.weight"  # the tied LM head's twin
+
+    def skipped_weight(self, name: str) -> str | None:
+        """Why checkpoint weight ``name``, which the model does not use, is left out (a
+        phrase for the log), or None: it must then be one of ``hf_weights``."""
+        del name
+        return None
 
     def hf_weights(self) -> dict[str, WeightSlot]:
         """Every weight a Hugging Face checkpoint of this model must hold, by HF name."""

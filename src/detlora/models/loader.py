@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ from detlora.layers.backend import OpBackend, make_backend
 from detlora.layers.lora_slots import LoRAConfig
 from detlora.models.causal_lm import DecoderForCausalLM
 from detlora.models.finite_weights import check_finite
+from detlora.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from detlora.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from detlora.models.llama import LlamaForCausalLM
 from detlora.models.mistral import MistralForCausalLM
 from detlora.models.phi3 import Phi3ForCausalLM
@@ -32,9 +36,13 @@ from detlora.models.qwen3 import Qwen3ForCausalLM
 from detlora.models.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 from detlora.models.weights_hash import combine_digests, tensor_digest
 
+logger = logging.getLogger("detlora")
+
 ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
     cls.architecture: cls for cls in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM,
-                                      MistralForCausalLM, Phi3ForCausalLM)
+                                      MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM,
+                                      Gemma3ForConditionalGeneration, Gemma4ForCausalLM,
+                                      Gemma4ForConditionalGeneration)
 }
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
 
@@ -76,10 +84,15 @@ def load_model(
     tied_head: torch.Tensor | None = None
     embedding: torch.Tensor | None = None
     unexpected: list[str] = []
+    skipped: Counter[str] = Counter()  # why -> weights left out (the model says why)
     for file in checkpoint_files(path):
         with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if _IGNORED.match(name):
+                    continue
+                why = model.skipped_weight(name)
+                if why is not None:
+                    skipped[why] += 1
                     continue
                 if name == "lm_head.weight" and spec.tie_word_embeddings:
                     tied_head = f.get_tensor(name).to(dtype)
@@ -97,11 +110,13 @@ def load_model(
                                      f"{tuple(t.shape)}, expected {shape} from config.json")
                 loaded = t.to(dtype)
                 digests[name] = tensor_digest(loaded)
-                if name == "model.embed_tokens.weight":
+                if name == model.embedding_weight_name:
                     embedding = loaded
                 on_device = loaded.to(device)
                 _check_weight(on_device, t, f"{path}: weight {name!r} in {file.name}")
                 load(on_device)
+    for why, count in sorted(skipped.items()):
+        logger.info("%s: left out %d checkpoint weight(s): %s", path, count, why)
     if unexpected:
         raise ValueError(f"{path}: {len(unexpected)} unexpected weight(s) in the checkpoint, "
                          f"e.g. {sorted(unexpected)[:5]} (does config.json match the weights?)")

@@ -18,17 +18,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from detlora.json_files import read_json_object
+from detlora.models.layer_spec import KVGroup, LayerAttention, RopeSpec, kv_groups
 
-# architecture -> HF model_type. All decoder-only, pre-norm, SwiGLU, neox rotary, GQA.
+if TYPE_CHECKING:
+    from detlora.models.gemma_config import GemmaSpec
+
+# architecture -> HF model_type. Llama, Qwen2/3, Mistral and Phi-3: decoder-only, pre-norm,
+# SwiGLU, neox rotary, GQA; Gemma 3 and 4 (models/gemma_config.py reads them) differ per layer.
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
-     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}
+     "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+     "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
+     "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4"}
 )
+# Architectures whose config.json models/gemma_config.py reads.
+GEMMA_ARCHITECTURES = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Gemma"))
 _QK_NORM = frozenset({"Qwen3ForCausalLM"})  # per-head RMSNorm of q and k before rotary
 _ROPE_TYPES = ("default", "llama3")
 # Features fixed by an architecture's transformers code rather than read from config.json.
@@ -73,6 +82,10 @@ class ModelSpec:
     # Per layer: its sliding window (a query at p sees keys p - w < j <= p) or None for full
     # attention; empty when every layer is full. See models/windows.py.
     layer_windows: tuple[int | None, ...] = ()
+    # Per layer, where layers differ in more than a window (head sizes, shared K/V, scales:
+    # Gemma); None: every layer is ``LayerAttention`` of the fields above (``attention``).
+    layer_attention: tuple[LayerAttention, ...] | None = None
+    gemma: GemmaSpec | None = None  # Gemma 3 / 4 only (models/gemma_config.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,10 +100,25 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def attention(self, layer: int) -> LayerAttention:
+        """Layer ``layer``'s attention: its own entry, or the uniform one of every layer."""
+        if self.layer_attention is not None:
+            return self.layer_attention[layer]
+        return LayerAttention(self.head_dim, self.num_kv_heads,
+                              RopeSpec(self.rope_theta, self.rope_scaling))
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The groups of KV pages (models/layer_spec.py): one full-attention group of every
+        layer unless layers have windows or share K/V."""
+        return kv_groups([self.attention(i) for i in range(self.num_layers)])
+
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token over all layers, in bytes."""
+        """K and V of one token over every layer with a cache of its own, in bytes (layers
+        that read another's K/V add none; a windowed layer's pages are counted as if it kept
+        them all: see ``kv_groups`` for what it keeps)."""
         elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * self.num_layers * self.kv_size * elem
+        return sum(2 * a.num_kv_heads * a.head_dim * elem
+                   for a in map(self.attention, range(self.num_layers)) if a.is_producer)
 
     def canonical(self) -> dict[str, Any]:
         """Every field as plain JSON values, for hashing and reports."""
@@ -99,6 +127,13 @@ class ModelSpec:
         d["dtype"] = str(self.dtype).replace("torch.", "")
         d["eos_token_id"] = list(self.eos_token_id)
         d["layer_windows"] = list(self.layer_windows)
+        for key in ("layer_attention", "gemma"):  # present only where set: older hashes hold
+            if d[key] is None:
+                del d[key]
+        if self.layer_attention is not None:
+            d["layer_attention"] = [a.canonical() for a in self.layer_attention]
+        if self.gemma is not None:
+            d["gemma"] = self.gemma.canonical()
         return d
 
     @classmethod
@@ -111,6 +146,10 @@ class ModelSpec:
     def from_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelSpec:
         r = _Reader(cfg, source)
         arch = _architecture(cfg, source)
+        if arch in GEMMA_ARCHITECTURES:
+            from detlora.models.gemma_config import gemma_model_spec
+
+            return gemma_model_spec(cfg, arch, source)
         _refuse_unsupported(cfg, source)
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")

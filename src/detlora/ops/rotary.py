@@ -40,15 +40,26 @@ _TILE = 2048  # elements of one half-head tile per program (BLOCK_H x BLOCK_HALF
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Mapping | None = None) -> torch.Tensor:
-    """Inverse frequencies [D/2] (fp64 math, fp32 result), with Llama-3 scaling if given."""
+    """Inverse frequencies [D/2] (fp64 math, fp32 result), with a scaling if given: Llama-3's
+    ("llama3"), positions divided by ``factor`` ("linear"), or Gemma 4's "proportional": the
+    first ``int(partial_rotary_factor * D // 2)`` frequencies base^(-2i/D) (D in the
+    exponent, not the rotated width), the rest 0, so that those dims get cos 1 and sin 0 and
+    pass through unchanged; all divided by ``factor``."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv.float()
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return inv.float()
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "proportional":
+        turning = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv[turning:] = 0.0
+        return (inv / float(scaling.get("factor", 1.0))).float()
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, "
+                         "linear, proportional)")
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))

@@ -63,6 +63,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         num_adapters: int | None,  # adapter slots, None without LoRA
+        kv_groups: int = 1,  # KV page groups of the model (models/layer_spec.py)
     ) -> None:
         self.forward = forward
         self.device = device
@@ -95,6 +96,14 @@ class DecodeGraphs:
         self._staged64 = self._i64[n:].view(4, n)
         self._staged64.copy_(self._h64)
         self._i32.copy_(self._h32)
+        # KV groups 1..: each row's slot and each sequence's pages (padding: slot -1, page 0).
+        extra = kv_groups - 1
+        self.group_slots = torch.full((extra, n), -1, dtype=torch.int64, device=device)
+        self.group_tables = torch.zeros(extra, n, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        self._hgslots = torch.full((extra, n), -1, dtype=torch.int64, pin_memory=pin)
+        self._hgtables = torch.zeros(extra, n, max_blocks_per_seq, dtype=torch.int32,
+                                     pin_memory=pin)
         self.feed = self._i64[:n]
         self._id_pool = self._i64[: 2 * n]
         self.input_ids, self.positions, self.slot_mapping, self.id_index = \
@@ -133,6 +142,8 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: b + 1],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            group_slot_mapping=self.group_slots[:, :b] if len(self.group_slots) else None,
+            group_block_tables=self.group_tables[:, :b] if len(self.group_tables) else None,
         )
         lora = None
         if self.group_layout is not None:
@@ -215,6 +226,13 @@ class DecodeGraphs:
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row
         tables[b:bucket, 0] = 0  # padding rows: a one-token context on page 0
+        gslots, gtables = self._hgslots.numpy(), self._hgtables.numpy()
+        for g, (slots, group) in enumerate(zip(step.group_slot_mapping,
+                                               step.group_block_tables, strict=True)):
+            gslots[g, :bucket] = slots + [-1] * pad
+            for i, row in enumerate(group):
+                gtables[g, i, : len(row)] = row
+            gtables[g, b:bucket, 0] = 0
         used = 0
         if self.group_layout is not None:
             used = self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
@@ -222,6 +240,10 @@ class DecodeGraphs:
         self._i32.copy_(self._h32, non_blocking=True)
         self.block_tables[:bucket, :width].copy_(self._htables[:bucket, :width],
                                                  non_blocking=True)
+        if len(self.group_slots):
+            self.group_slots[:, :bucket].copy_(self._hgslots[:, :bucket], non_blocking=True)
+            self.group_tables[:, :bucket, :width].copy_(self._hgtables[:, :bucket, :width],
+                                                        non_blocking=True)
         if self.device.type == "cuda":
             self._fence.record()
         return used

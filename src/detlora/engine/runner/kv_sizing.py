@@ -5,6 +5,12 @@ every sequence sampling) on a throw-away cache, note the peak memory, and give t
 ``gpu_memory_utilization`` of the device minus that peak. When nothing is left, the error
 names who holds the memory (``no_room_message``). CPU: room for ``max_num_seqs`` full
 sequences, capped at ``CPU_KV_BYTES``.
+
+A model whose layers keep their pages in several groups (models/layer_spec.py) gets, in each
+sliding-window group, the pages its sequences can hold at once (``window_pages``: every
+running sequence's window plus a step's new tokens, so a window group never runs out), and
+the rest of the room in group 0 (the full-attention layers'); the sizes above count group 0.
+Layers that read another layer's K/V count nothing.
 """
 
 from __future__ import annotations
@@ -17,14 +23,54 @@ CPU_KV_BYTES = 256 * 2**20
 
 
 def block_bytes(model: torch.nn.Module, block_size: int) -> int:
-    """Bytes of one KV page on this rank (its KV heads only, under tensor parallelism)."""
-    return block_size * model.kv_cache_bytes_per_token()
+    """Bytes of one KV page of group 0 on this rank (its KV heads only, under tensor
+    parallelism; every layer's for a one-group model)."""
+    pages = getattr(model, "kv_page_bytes", None)
+    if pages is None:
+        return block_size * model.kv_cache_bytes_per_token()
+    return pages(block_size)[0]
+
+
+def window_pages(window: int, *, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> int:
+    """Pages a sliding-window group needs at most: each of ``max_num_seqs`` sequences keeps
+    the pages touching its last ``window - 1`` tokens (two more for where they sit on
+    pages), and a step adds its ``max_num_batched_tokens`` tokens
+    (engine/sched/grouped_block_manager.py)."""
+    return max_num_seqs * (-(-(window - 1) // block_size) + 2) \
+        + -(-max_num_batched_tokens // block_size)
+
+
+def group_blocks(model: torch.nn.Module, num_blocks: int, *, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int) -> int | tuple[int, ...]:
+    """Pages per KV group: ``num_blocks`` for group 0 and ``window_pages`` for every window
+    group after it; the plain ``num_blocks`` for a model with one full-attention group."""
+    groups = getattr(model, "kv_groups", ())
+    if len(groups) <= 1 and (not groups or groups[0].window is None):
+        return num_blocks
+    return tuple(num_blocks if g == 0 else window_pages(
+        group.window, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens) for g, group in enumerate(groups))
+
+
+def fixed_bytes(model: torch.nn.Module, *, block_size: int, max_num_seqs: int,
+                max_num_batched_tokens: int) -> int:
+    """Bytes of the pages of the groups after group 0 (their sizes do not depend on the
+    room left)."""
+    blocks = group_blocks(model, 1, block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    if isinstance(blocks, int):
+        return 0
+    pages = model.kv_page_bytes(block_size)
+    return sum(n * b for n, b in zip(blocks[1:], pages[1:], strict=True))
 
 
 def cpu_num_blocks(model: torch.nn.Module, *, block_size: int, max_num_seqs: int,
-                   max_model_len: int) -> int:
+                   max_model_len: int, max_num_batched_tokens: int = 0) -> int:
     per_seq = -(-max_model_len // block_size)
-    cap = max(per_seq, CPU_KV_BYTES // block_bytes(model, block_size))
+    room = CPU_KV_BYTES - fixed_bytes(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens)
+    cap = max(per_seq, room // block_bytes(model, block_size))
     return min(max_num_seqs * per_seq, cap)
 
 
@@ -82,6 +128,8 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
     other = total - free - torch.cuda.memory_reserved(device)
     # The peak keeps the throw-away cache in: the model holds it until the real one is bound.
     budget = int(total * gpu_memory_utilization) - peak - max(other, 0)
+    budget -= fixed_bytes(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
     num = budget // block_bytes(model, block_size)
     if num < 1:
         raise ValueError(no_room_message(

@@ -29,7 +29,7 @@ from detlora.engine.runner.graph_capture import (
     gc_paused,
 )
 from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
-from detlora.engine.runner.step_inputs import StepInputs
+from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
 
@@ -75,6 +75,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_adapters = num_adapters
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_groups = len(getattr(model, "kv_groups", ())) or 1
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -98,6 +99,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             max_model_len=self.max_model_len,
             num_adapters=self.num_adapters,
+            kv_groups=self.kv_groups,
         )
         buckets = step_graph_buckets(max_num_batched_tokens, max_num_seqs)
         step_graphs = StepGraphs(
@@ -105,6 +107,7 @@ class ModelRunner:
             block_size=self.block_size,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             max_model_len=self.max_model_len, num_adapters=self.num_adapters,
+            kv_groups=self.kv_groups,
         ) if buckets else None
         return graphs, step_graphs
 
@@ -159,22 +162,29 @@ class ModelRunner:
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
         dev = self.device
+        step = mirror_groups(step, self.kv_groups)
 
         def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
         width = max(len(row) for row in step.block_tables)
-        tables = torch.zeros(step.num_seqs, width, dtype=torch.int32)
+        tables = torch.zeros(1 + len(step.group_block_tables), step.num_seqs, width,
+                             dtype=torch.int32)
         rows = tables.numpy()
-        for i, row in enumerate(step.block_tables):
-            rows[i, : len(row)] = row
+        for g, group in enumerate([step.block_tables, *step.group_block_tables]):
+            for i, row in enumerate(group):
+                rows[g, i, : len(row)] = row
+        tables = tables.to(dev, non_blocking=True)
         attn = AttentionMetadata(
             slot_mapping=t(step.slot_mapping, torch.int64),
-            block_tables=tables.to(dev, non_blocking=True),
+            block_tables=tables[0],
             seq_lens=t(step.seq_lens, torch.int32),
             query_start_loc=t(step.query_start_loc, torch.int32),
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
+            group_slot_mapping=t(step.group_slot_mapping, torch.int64)
+            if step.group_slot_mapping else None,
+            group_block_tables=tables[1:] if step.group_block_tables else None,
         )
         lora = None
         if self.num_adapters is not None:

@@ -34,7 +34,7 @@ import torch
 from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
 from detlora.engine.runner.copy_fence import CopyFence
 from detlora.engine.runner.graph_capture import Forward, capture_bucket
-from detlora.engine.runner.step_inputs import StepInputs
+from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import row_tile_room
 
@@ -63,6 +63,7 @@ class StepGraphs:
         max_blocks_per_seq: int,
         max_model_len: int,
         num_adapters: int | None,  # adapter slots, None without LoRA
+        kv_groups: int = 1,  # KV page groups of the model (models/layer_spec.py)
     ) -> None:
         if not buckets:
             raise ValueError("StepGraphs needs at least one (tokens, sequences) bucket")
@@ -102,6 +103,12 @@ class StepGraphs:
             num_adapters=num_adapters, row_tiles_at=tiles_at)
         self.seq_lens = self._i32[2 * t + 3 * g: 2 * t + 3 * g + s + 1]
         self.query_start_loc = self._i32[2 * t + 3 * g + s + 1:]
+        # KV groups 1..: each row's slot and each sequence's pages (padding: slot -1, page 0).
+        extra = kv_groups - 1
+        self.group_slots = torch.full((extra, t), -1, dtype=torch.int64, device=device)
+        self.group_tables = torch.zeros(extra, s + 1, width, dtype=torch.int32, device=device)
+        self._hgslots = torch.full((extra, t), -1, dtype=torch.int64, pin_memory=pin)
+        self._hgtables = torch.zeros(extra, s + 1, width, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -128,6 +135,9 @@ class StepGraphs:
             query_start_loc=self.query_start_loc[: sb + 2],
             max_query_len=tb,
             max_seq_len=self.max_model_len,
+            group_slot_mapping=self.group_slots[:, :tb] if len(self.group_slots) else None,
+            group_block_tables=self.group_tables[:, : sb + 1] if len(self.group_tables)
+            else None,
         )
         lora = None
         if self.group_layout is not None:
@@ -162,6 +172,13 @@ class StepGraphs:
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row
         tables[s: sb + 1, :width] = 0  # empty sequences and the padding one: page 0
+        gslots, gtables = self._hgslots.numpy(), self._hgtables.numpy()
+        for g, (slots, group) in enumerate(zip(step.group_slot_mapping,
+                                               step.group_block_tables, strict=True)):
+            gslots[g, :tb] = slots + [-1] * pad
+            for i, row in enumerate(group):
+                gtables[g, i, : len(row)] = row
+            gtables[g, s: sb + 1, :width] = 0
         if self.group_layout is not None:
             self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
         self._i64.copy_(self._h64, non_blocking=True)
@@ -170,6 +187,10 @@ class StepGraphs:
         # the padding sequence may (garbage in, garbage out, nothing written).
         self.block_tables[: sb + 1, :width].copy_(self._htables[: sb + 1, :width],
                                                   non_blocking=True)
+        if len(self.group_slots):
+            self.group_slots[:, :tb].copy_(self._hgslots[:, :tb], non_blocking=True)
+            self.group_tables[:, : sb + 1, :width].copy_(self._hgtables[:, : sb + 1, :width],
+                                                         non_blocking=True)
         if self.device.type == "cuda":
             self._fence.record()
 
@@ -191,9 +212,10 @@ class StepGraphs:
     def _stage_empty(self, bucket: tuple[int, int]) -> None:
         """Inputs for capture: one token of sequence 0 (a one-token context), the rest
         padding."""
-        step = StepInputs(input_ids=[0], positions=[0], slot_mapping=[-1], token_adapter=[-1],
-                          block_tables=[[0]], seq_lens=[1], query_start_loc=[0, 1],
-                          logits_indices=[0])
+        step = mirror_groups(StepInputs(
+            input_ids=[0], positions=[0], slot_mapping=[-1], token_adapter=[-1],
+            block_tables=[[0]], seq_lens=[1], query_start_loc=[0, 1], logits_indices=[0]),
+            len(self.group_slots) + 1)
         self.stage(step, bucket)
         torch.cuda.synchronize(self.device)
 

@@ -7,7 +7,7 @@ copied into the static buffers of a captured decode graph.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from detlora.engine.sched.scheduler import SchedulerOutput
 
@@ -27,6 +27,11 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_row_seqs: list[int] = field(default_factory=list)
     prompt_row_positions: list[int] = field(default_factory=list)
+    # KV groups 1.. of a model with several (engine/sched/grouped_block_manager.py): per
+    # group, the slot of every row and the block table of every sequence (-1: a page behind
+    # a sliding window, never read); empty with one group.
+    group_slot_mapping: list[list[int]] = field(default_factory=list)  # [G - 1][T]
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)  # [G - 1][B][pages]
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +49,16 @@ class StepInputs:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens)
+
+
+def mirror_groups(step: StepInputs, groups: int) -> StepInputs:
+    """``step`` with group 0's slots and block tables given to KV groups 1..``groups - 1``
+    too, for synthetic steps written for one group (profiling, warm-up) that read and write
+    pages every group has; a step that has its groups' fields is returned as it is."""
+    if groups <= 1 or step.group_slot_mapping:
+        return step
+    return replace(step, group_slot_mapping=[list(step.slot_mapping)] * (groups - 1),
+                   group_block_tables=[[list(t) for t in step.block_tables]] * (groups - 1))
 
 
 def build_step_inputs(
@@ -65,6 +80,9 @@ def build_step_inputs(
     prompt_rows: list[int] = []
     prompt_row_seqs: list[int] = []
     prompt_row_positions: list[int] = []
+    groups = len(sched.scheduled[0].seq.group_tables) if sched.scheduled else 0
+    group_slots: list[list[int]] = [[] for _ in range(groups)]
+    group_tables: list[list[list[int]]] = [[] for _ in range(groups)]
     rows = 0  # tokens so far: qsl[-1]
     for k, (item, slot) in enumerate(zip(sched.scheduled, adapter_slots, strict=True)):
         seq, n = item.seq, item.num_tokens
@@ -86,6 +104,11 @@ def build_step_inputs(
                 slots.append(table[p // block_size] * block_size + p % block_size)
             adapters.extend([slot] * n)
         tables.append(list(table))
+        for g in range(groups):
+            gt = seq.group_tables[g]
+            group_slots[g].extend(gt[p // block_size] * block_size + p % block_size
+                                  for p in range(start, start + n))
+            group_tables[g].append(list(gt))
         seq_lens.append(start + n)
         if seq.params.prompt_logprobs is not None:
             # Position p scores prompt token p + 1; positions scored before (a recompute
@@ -100,4 +123,5 @@ def build_step_inputs(
         if item.samples:
             logits_idx.append(rows - 1)
     return StepInputs(ids, pos, slots, adapters, tables, seq_lens, qsl, logits_idx,
-                      prompt_rows, prompt_row_seqs, prompt_row_positions)
+                      prompt_rows, prompt_row_seqs, prompt_row_positions, group_slots,
+                      group_tables)

@@ -66,6 +66,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self._free)
 
+    def fits(self, needs: list[tuple[Sequence, int]]) -> bool:
+        """Whether every (sequence, tokens) of ``needs`` can get its pages at once."""
+        return sum(self.blocks_needed(seq, n) for seq, n in needs) <= len(self._free)
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to cover ``num_tokens`` tokens (all or nothing)."""
         need = self.blocks_needed(seq, num_tokens)

@@ -60,6 +60,11 @@ class Sequence:
     text_end: int | None = None  # characters of the output text kept (set by a stop string)
     error: str | None = None  # why it finished with FinishReason.ERROR
     num_preemptions: int = 0
+    # Models with several KV page groups (engine/sched/grouped_block_manager.py): the block
+    # tables of groups 1.. (group 0's is ``block_table``), and per group how many leading
+    # entries are -1 (pages behind a sliding window, released or never allocated).
+    group_tables: list[list[int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
     page_keys: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_computing_end: int = 0  # pages [num_registered_pages, this) are marked as computing
@@ -126,6 +131,8 @@ class Sequence:
         """Preempted: the pages are gone, so every token is computed again later."""
         self.num_computed = 0
         self.block_table = []
+        self.group_tables = []
+        self.released = []
         self.num_registered_pages = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
