@@ -57,8 +57,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def make_gemma4(path: Path, *, multimodal: bool = False, seed: int = 0, **overrides) -> Path:
     """A tiny Gemma4ForCausalLM (or Gemma4ForConditionalGeneration with tiny vision and
     audio towers) saved with save_pretrained."""
-    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
-    from transformers import Gemma4TextConfig
+    from transformers import (
+        Gemma4Config,
+        Gemma4ForCausalLM,
+        Gemma4ForConditionalGeneration,
+        Gemma4TextConfig,
+    )
 
     torch.manual_seed(seed)
     text = gemma4_text_config(**overrides)
