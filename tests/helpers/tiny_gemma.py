@@ -101,7 +101,7 @@ def make_gemma3(path: Path, *, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def make_gemma_adapter(base: Path, path: Path, *, targets: list[str] | str,
+def make_gemma_adapter(base: Path, path: Path, *, targets: list[str] | str | None,
                        r: int = 8, alpha: float = 16, seed: int = 1) -> Path:
     """A PEFT LoRA adapter with random non-zero A and B (PEFT initialises B to zero)."""
     from peft import LoraConfig, get_peft_model
@@ -125,3 +125,44 @@ def make_gemma_adapter(base: Path, path: Path, *, targets: list[str] | str,
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     peft_model.save_pretrained(str(path))
     return path
+
+
+class GroupedPagedKV:
+    """``PagedKV`` (tests/helpers/tiny_hf.py) for a model with several KV groups: one page
+    allocator per group, the batches merged into one ForwardBatch with the groups' slots and
+    tables. In a window group the pages wholly before a sequence's first query window are
+    poisoned with NaN in ``kv`` and left -1 in its table, as the engine releases them, so a
+    read of one would show."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        from tests.helpers.tiny_hf import PagedKV
+
+        self.model, self.block_size = model, block_size
+        self.kv = model.allocate_kv_cache(num_blocks, block_size)
+        self.groups = [PagedKV(num_blocks, block_size, seed=seed + g)
+                       for g in range(len(model.kv_groups))]
+
+    def step(self, chunks: dict[int, list[int]], slots: dict[int, int] | None = None,
+             max_loras: int = 1, logits: str = "all"):
+        import dataclasses
+
+        batches = [p.step(chunks, slots, max_loras, logits) for p in self.groups]
+        for g, group in enumerate(self.model.kv_groups):
+            if group.window is None:
+                continue
+            tables = batches[g].attn.block_tables
+            for row, (sid, toks) in enumerate(chunks.items()):
+                first = self.groups[g].lens[sid] - len(toks)  # the step's first position
+                for i in range(max(0, first - group.window + 1) // self.block_size):
+                    page = int(tables[row, i])
+                    if page >= 0:
+                        for layer in group.layers:
+                            self.kv.k[layer][page] = float("nan")
+                            self.kv.v[layer][page] = float("nan")
+                    tables[row, i] = -1
+        attn = batches[0].attn
+        if len(batches) > 1:
+            attn = dataclasses.replace(
+                attn, group_slot_mapping=torch.stack([b.attn.slot_mapping for b in batches[1:]]),
+                group_block_tables=torch.stack([b.attn.block_tables for b in batches[1:]]))
+        return dataclasses.replace(batches[0], attn=attn)
