@@ -75,7 +75,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_adapters = num_adapters
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self.kv_groups = len(getattr(model, "kv_groups", ())) or 1
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -84,6 +83,11 @@ class ModelRunner:
             self._capture(max_num_seqs, max_num_batched_tokens or 0, progress=progress)
             if self.step_graphs is not None:
                 self.warm_eager_steps(max_num_seqs, max_num_batched_tokens or 0)
+
+    @property
+    def kv_groups(self) -> int:
+        """KV page groups of the model (models/layer_spec.py; 1 for a uniform model)."""
+        return len(getattr(getattr(self, "model", None), "kv_groups", ())) or 1
 
     @property
     def uses_cuda_graphs(self) -> bool:
