@@ -77,7 +77,7 @@ def test_a_hit_needs_every_group_and_shortens_to_what_it_holds():
     bm.allocate(c, 20)
     assert set(held) <= set(c.group_tables[0])
     b = make_seq(1, 0)
-    b.token_ids = list(a.token_ids[:29]) + [99]
+    b.token_ids = [*a.token_ids[:29], 99]
     assert len(bm.cached_prefix(b)) == 0  # every full page is cached, but no window page
     bm.free(c)
 
