@@ -15,6 +15,7 @@
 #                     study-tests multi-lora-tests robust-tests
 #                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
 #                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
+#                     gemma-tests (sliding-window / head_dim 512 kernels, Gemma engines)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-small (SmolLM2, Qwen3-0.6B shapes) profile-bi-large profile-overlap profile-adapters
@@ -29,7 +30,8 @@
 #                     audit (the audit log: serving with and without it at concurrency 64,
 #                     detlora verify against offline; the server's wheels from .whl/)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
-#                     $STUDY_MODELS picks "smollm2" or "3b" (each to $OUT/study-<model>, for
+#                     $STUDY_MODELS picks "smollm2", "3b" or "e4b" (the Gemma 4 E4B shape,
+#                     random weights) (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
 #                     replay,repeat or --reductions ordered; installs .whl/*.whl
 #                     first, where matplotlib's wheels give the figures; without them
@@ -37,6 +39,8 @@
 #                     | tensor-parallel (2+ GPUs: TP 1 against 2)
 #                     | architectures (the base-architecture registry: qwen2.5-7b, mistral-7b,
 #                     phi3.5-mini, ...; $ARCH_MODELS="a,b" runs some) | architectures-tests
+#                     | architectures-gemma (Gemma 4 E4B, Gemma 3 1B / 4B shapes; one shape per
+#                     step: architectures-gemma-e4b, -1b, -4b, each to its own JSON)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
@@ -92,6 +96,11 @@ study() {  # the paper's study on the embedded model and the Llama-3.2-3B shape 
 from benchmarks.suites.engine import ModelShape, write_model; \
 write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" || return 1 ;;
   esac
+  case " $models " in *" e4b "*)
+    python3 -c "import sys; from pathlib import Path; \
+from benchmarks.suites.architectures_gemma import GEMMA4_E4B, write_checkpoint; \
+write_checkpoint(Path(sys.argv[1]), GEMMA4_E4B)" "$tmp/Gemma-4-E4B-shape" || return 1 ;;
+  esac
   if [ "$models" = "smollm2 3b" ]; then
     # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
     python3 -m detlora.entrypoints.cli study smollm2 "$tmp/Llama-3.2-3B-shape" \
@@ -101,7 +110,8 @@ write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" || retur
       case $m in
         smollm2) args=(smollm2) ;;
         3b) args=("$tmp/Llama-3.2-3B-shape" --tokenizer smollm2) ;;
-        *) echo "STUDY_MODELS: unknown model $m (smollm2, 3b)"; rc=1; continue ;;
+        e4b) args=("$tmp/Gemma-4-E4B-shape" --tokenizer smollm2) ;;
+        *) echo "STUDY_MODELS: unknown model $m (smollm2, 3b, e4b)"; rc=1; continue ;;
       esac
       out="$OUT/study-$m"
       # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
@@ -145,6 +155,8 @@ for step in "${steps[@]}"; do
     penalty-engine-tests) gpu_tests gpu_tests_penalties.log 25 tests/gpu/test_engine_gpu.py \
                             -k "penal or sync" || status=1 ;;
     study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
+    gemma-tests) gpu_tests gpu_tests_gemma.log 25 tests/gpu/test_gemma_gpu.py --durations=10 \
+                   || status=1 ;;
     multi-lora-tests) gpu_tests gpu_tests_multi_lora.log 25 tests/gpu/test_multi_lora_gpu.py \
                         --durations=10 || status=1 ;;
     tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \
@@ -197,6 +209,13 @@ for step in "${steps[@]}"; do
                      --out "$OUT/architectures.json" || status=1 ;;
     architectures-tests) gpu_tests gpu_tests_architectures.log 25 \
                            tests/gpu/test_bases_gpu.py --durations=10 || status=1 ;;
+    architectures-gemma) python3 -m benchmarks.suites.architectures_gemma \
+                           --out "$OUT/architectures_gemma.json" || status=1 ;;
+    architectures-gemma-e4b|architectures-gemma-1b|architectures-gemma-4b)
+      m=${step#architectures-gemma-}
+      case $m in e4b) m=gemma4-e4b ;; 1b) m=gemma3-1b ;; 4b) m=gemma3-4b ;; esac
+      python3 -m benchmarks.suites.architectures_gemma --models "$m" \
+        --out "$OUT/architectures_gemma_$m.json" || status=1 ;;
     study) server_wheels; study || status=1 ;;
     prefix-cache) python3 -m benchmarks.suites.prefix_cache --out "$OUT/prefix_caching.json" \
                     || status=1 ;;

@@ -5,8 +5,10 @@
   reports its ``StepInputs`` and logits after the model ran (when the KV pages it wrote can
   be read with ``read_kv(engine, step.slot_mapping)``). Shrink outputs need an eager engine
   (``enforce_eager=True``): a captured CUDA graph replays without Python.
-* ``read_kv(engine, slots)``: copies of K and V at KV-cache slots (page * block_size +
-  offset), [layers, n, kv_heads, head_dim] each.
+* ``read_kv(engine, slots, group_slots)``: copies of K and V at KV-cache slots (page *
+  block_size + offset; a model with several KV groups, such as Gemma's window and full
+  layers, has slots per group: ``StepInputs.group_slot_mapping``), [layers, n, kv_heads,
+  head_dim] each (layers of other shapes zero-padded to the largest).
 * ``continue_from_kv(engine, token_ids, k, v, ...)``: greedy decoding of one sequence whose
   first positions' K/V are given (say, another engine's), with this engine's model: the
   controlled experiment that tells whether a KV cache alone changes a token.
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from detlora.engine.llm_engine import LLMEngine
-from detlora.engine.runner.step_inputs import StepInputs
+from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.lora.request import LoRARequest
 from detlora.ops.lora_partials import ShrinkPartials, reduce_partials_ref
 
@@ -93,19 +95,43 @@ def _layer_name(peft_names: Sequence[str]) -> str:
     return f"{prefix}.{joined}_proj"
 
 
-def read_kv(engine: LLMEngine, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of K and V at ``slots`` (page * block_size + offset): [L, n, Hk, D] each, on the
-    engine's device."""
+def read_kv(engine: LLMEngine, slots: Sequence[int],
+            group_slots: Sequence[Sequence[int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of K and V at ``slots`` (page * block_size + offset) and, for KV groups 1..,
+    at ``group_slots``: [L, n, Hk, D] each, on the engine's device (a layer with fewer KV
+    heads or a smaller head than the largest is zero-padded; a layer that reads another's
+    K/V shows that layer's)."""
     _one_process(engine)
     kv = engine.runner.kv_cache
-    total = kv.num_blocks * kv.block_size
-    bad = [s for s in slots if not 0 <= s < total]
-    if bad:
-        raise ValueError(f"KV slots {bad[:5]} are outside the cache's [0, {total})")
-    index = torch.tensor(list(slots), dtype=torch.int64, device=kv.k[0].device)
-    k = torch.stack([c.flatten(0, 1).index_select(0, index) for c in kv.k])
-    v = torch.stack([c.flatten(0, 1).index_select(0, index) for c in kv.v])
-    return k, v
+    groups = [list(slots), *map(list, group_slots)]
+    layer_group = getattr(engine.model, "layer_group", [0] * len(kv.k))
+    if max(layer_group) >= len(groups):
+        raise ValueError(f"the model keeps its KV pages in {max(layer_group) + 1} groups: "
+                         "give every group's slots")
+    blocks = kv.group_blocks or (kv.num_blocks,)
+    index = []
+    for g, group in enumerate(groups):
+        total = blocks[g] * kv.block_size
+        bad = [s for s in group if not 0 <= s < total]
+        if bad:
+            raise ValueError(f"KV slots {bad[:5]} are outside the cache's [0, {total})")
+        index.append(torch.tensor(group, dtype=torch.int64, device=kv.k[0].device))
+    return (_stack_layers([c.flatten(0, 1).index_select(0, index[g])
+                           for c, g in zip(kv.k, layer_group, strict=True)]),
+            _stack_layers([c.flatten(0, 1).index_select(0, index[g])
+                           for c, g in zip(kv.v, layer_group, strict=True)]))
+
+
+def _stack_layers(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[n, Hk_l, D_l] per layer -> [L, n, max Hk, max D], zero-padded where smaller."""
+    hk = max(r.shape[1] for r in rows)
+    d = max(r.shape[2] for r in rows)
+    if all(r.shape[1:] == (hk, d) for r in rows):
+        return torch.stack(rows)
+    out = rows[0].new_zeros(len(rows), rows[0].shape[0], hk, d)
+    for i, r in enumerate(rows):
+        out[i, :, : r.shape[1], : r.shape[2]] = r
+    return out
 
 
 @dataclass(frozen=True)
@@ -136,7 +162,8 @@ def continue_from_kv(
         raise ValueError("continue_from_kv needs an idle engine (it writes the KV pages)")
     spec, kv = engine.spec, engine.runner.kv_cache
     n = len(token_ids) - 1
-    expected = (spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    expected = (spec.num_layers, n, max(c.shape[2] for c in kv.k),
+                max(c.shape[3] for c in kv.k))
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} must have shape {expected} (layers, len(token_ids) - 1, "
@@ -152,9 +179,10 @@ def continue_from_kv(
                          "continue_from_kv does not support that")
     bs = kv.block_size
     pages = list(range(-(-length // bs)))
-    if len(pages) > kv.num_blocks:
+    room = min(kv.group_blocks or (kv.num_blocks,))
+    if len(pages) > room:
         raise ValueError(f"{length} positions need {len(pages)} KV pages, the cache has "
-                         f"{kv.num_blocks}")
+                         f"{room}")
     engine.reset_prefix_cache()
     slot = -1
     if lora is not None:
@@ -162,17 +190,18 @@ def continue_from_kv(
             raise ValueError("a lora was given but the engine was built with enable_lora=False")
         slot = engine.lora_manager.activate([lora])[0]
     index = torch.arange(n, dtype=torch.int64, device=kv.k[0].device)
-    for layer, (kc, vc) in enumerate(kv):
-        kc.flatten(0, 1).index_copy_(0, index, k[layer].to(kc.device, kc.dtype))
-        vc.flatten(0, 1).index_copy_(0, index, v[layer].to(vc.device, vc.dtype))
+    for layer, (kc, vc) in enumerate(kv):  # each layer's own heads and head size
+        hk, d = kc.shape[2], kc.shape[3]
+        kc.flatten(0, 1).index_copy_(0, index, k[layer, :, :hk, :d].to(kc.device, kc.dtype))
+        vc.flatten(0, 1).index_copy_(0, index, v[layer, :, :hk, :d].to(vc.device, vc.dtype))
     out: list[ContinuedToken] = []
     token, stops = int(token_ids[-1]), set(stop_token_ids)
     try:
         for p in range(n, length):
-            step = StepInputs(input_ids=[token], positions=[p],
-                              slot_mapping=[pages[p // bs] * bs + p % bs], token_adapter=[slot],
-                              block_tables=[pages], seq_lens=[p + 1], query_start_loc=[0, 1],
-                              logits_indices=[0])
+            step = mirror_groups(StepInputs(
+                input_ids=[token], positions=[p], slot_mapping=[pages[p // bs] * bs + p % bs],
+                token_adapter=[slot], block_tables=[pages], seq_lens=[p + 1],
+                query_start_loc=[0, 1], logits_indices=[0]), engine.runner.kv_groups)
             row = engine.model(engine.runner.forward_batch(step))[0].cpu()
             token = int(torch.argmax(row))  # the first maximum: the lowest id on ties
             out.append(ContinuedToken(token, row))

@@ -212,22 +212,21 @@ def write_random_adapter(out_dir: Path, model_dir: Path, *, rank: int, seed: int
     from its config.json), A ~ N(0, 1/fan_in) and B ~ N(0, b_std^2)."""
     from safetensors.torch import save_file
 
+    from detlora.models.lora_targets import lora_target_shapes_of
     from detlora.models.spec import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    h, i = spec.hidden_size, spec.intermediate_size
-    dims = {"q_proj": (h, spec.q_size), "k_proj": (h, spec.kv_size),
-            "v_proj": (h, spec.kv_size), "o_proj": (spec.q_size, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    # Every target the model offers among the seven (its names and shapes: a layer that
+    # reads another's K/V has no k/v projection; each layer its own head size).
     w: dict[str, torch.Tensor] = {}
-    for layer in range(spec.num_layers):
-        for name, (fin, fout) in dims.items():
-            part = "self_attn" if name in LORA_TARGETS[:4] else "mlp"
-            p = f"base_model.model.model.layers.{layer}.{part}.{name}."
-            w[p + "lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin ** 0.5
-            w[p + "lora_B.weight"] = torch.randn(fout, rank, generator=g) * b_std
+    for module, (fin, fout) in lora_target_shapes_of(spec).items():
+        if module.rpartition(".")[2] not in LORA_TARGETS:
+            continue
+        p = f"base_model.model.{module}."
+        w[p + "lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin ** 0.5
+        w[p + "lora_B.weight"] = torch.randn(fout, rank, generator=g) * b_std
     save_file(w, str(out_dir / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
               "target_modules": list(LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",

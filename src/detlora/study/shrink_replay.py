@@ -28,8 +28,11 @@ def replay_available(device: torch.device) -> bool:
 
 
 def shapes_of(spec: ModelSpec, rank: int) -> list[tuple[str, int, int, int]]:
-    """(name, hidden, slices, out features of the base weight) of the replayed shrinks."""
-    return [("qkv", spec.hidden_size, 3, spec.q_size + 2 * spec.kv_size),
+    """(name, hidden, slices, out features of the base weight) of the replayed shrinks (the
+    first layer's, where layers differ)."""
+    a = spec.attention(0)
+    q, kv = spec.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    return [("qkv", spec.hidden_size, 3, q + 2 * kv),
             ("down", spec.intermediate_size, 1, spec.hidden_size)]
 
 

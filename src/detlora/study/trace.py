@@ -70,7 +70,7 @@ def traced_batch(llm, prompts: Sequence[Sequence[int]], loras: Sequence[LoRARequ
         pending[name] = h
 
     def on_step(step, logits) -> None:
-        k_all, v_all = read_kv(engine, step.slot_mapping)
+        k_all, v_all = read_kv(engine, step.slot_mapping, step.group_slot_mapping)
         where = {tuple(table): k for k, table in enumerate(step.block_tables)}
         sampled = {row: j for j, row in enumerate(step.logits_indices)}
         top = None
