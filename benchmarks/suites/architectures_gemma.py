@@ -332,7 +332,7 @@ def speed_row(name: str, shape: dict[str, Any], model_dir: Path, lora: Any, leve
            "roofline_b1": None if bandwidth is None else step_bytes / bandwidth / tpot,
            "tok_s_b64": plan.batch * plan.output_len / t64, "batch_s_b64": t64,
            "decode_bytes_b1": step_bytes, "cuda_graphs": llm.engine.runner.uses_cuda_graphs}
-    del llm
+    llm = None  # one engine on the GPU at a time
     _free()
     return row
 

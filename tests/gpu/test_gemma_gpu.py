@@ -157,7 +157,7 @@ def _llm(path, **kw):
 def test_engine_invariance_across_the_window(engine_case):
     from detlora import LoRARequest, SamplingParams
 
-    root, cfg = engine_case
+    root, _ = engine_case
     lora = LoRARequest("a", 1, str(root / "a"))
     g = torch.Generator().manual_seed(5)
     lens = [500, 515, 530, 700, 1029, 260, 513, 800]

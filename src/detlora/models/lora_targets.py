@@ -13,9 +13,9 @@ class LoRATargets(dict[str, tuple[int, int]]):
         self.refused: dict[str, str] = {}
 
 
-def lora_target_shapes_of(spec) -> LoRATargets:  # noqa: ANN001 (a ModelSpec)
-    """The LoRA targets of the model ``spec`` describes, without its weights: the model is
-    built on the meta device (nothing allocated), as the loader would build it."""
+def lora_target_shapes_of(spec) -> LoRATargets:
+    """The LoRA targets of the model ``spec`` (a ModelSpec) describes, without its weights:
+    the model is built on the meta device (nothing allocated), as the loader builds it."""
     import torch
 
     from detlora.layers.backend import make_backend
