@@ -186,7 +186,7 @@ def write_adapter(path: Path, model_dir: Path, *, targets: Sequence[str], rank: 
     1/sqrt(in), B of 0.02), in the model dtype. Returns its bytes."""
     from safetensors.torch import save_file
 
-    from detlora.models.lora_targets import lora_target_shapes_of
+    from detlora.models.loader import lora_target_shapes_of
     from detlora.models.spec import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)

@@ -212,7 +212,7 @@ def write_random_adapter(out_dir: Path, model_dir: Path, *, rank: int, seed: int
     from its config.json), A ~ N(0, 1/fan_in) and B ~ N(0, b_std^2)."""
     from safetensors.torch import save_file
 
-    from detlora.models.lora_targets import lora_target_shapes_of
+    from detlora.models.loader import lora_target_shapes_of
     from detlora.models.spec import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)

@@ -18,19 +18,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from detlora.models.config_fields import _DTYPES, _positive, _Reader, _token_ids
 from detlora.models.layer_spec import (
     LayerAttention,
     RopeSpec,
     check_layer_attention,
     frozen_mapping,
-)
-from detlora.models.spec import (
-    _DTYPES,
-    SUPPORTED_ARCHITECTURES,
-    ModelSpec,
-    _positive,
-    _Reader,
-    _token_ids,
 )
 
 logger = logging.getLogger("detlora")
@@ -66,8 +59,10 @@ class GemmaSpec:
         return d
 
 
-def gemma_model_spec(cfg: Mapping[str, Any], arch: str, source: str) -> ModelSpec:
-    """The spec of a Gemma 3 / Gemma 4 config.json (``arch`` already checked)."""
+def gemma_spec_fields(cfg: Mapping[str, Any], arch: str, model_type: str,
+                      source: str) -> dict[str, Any]:
+    """The ModelSpec fields of a Gemma 3 / Gemma 4 config.json (``arch`` already checked;
+    ``model_type``: its HF model type)."""
     version = 4 if arch.startswith("Gemma4") else 3
     multimodal = arch.endswith("ForConditionalGeneration")
     raw = cfg.get("text_config") if multimodal else cfg
@@ -77,7 +72,7 @@ def gemma_model_spec(cfg: Mapping[str, Any], arch: str, source: str) -> ModelSpe
     for c, w in ((cfg, source), (raw, where)):
         _refuse_quantized(c, w)
     _refuse_unsupported(raw, where, version)
-    hf = _hf_config(cfg, arch, source)
+    hf = _hf_config(cfg, model_type, source)
     text = hf.get_text_config() if multimodal else hf
     values = text.to_dict()
     r = _Reader(values, where)
@@ -123,7 +118,7 @@ def gemma_model_spec(cfg: Mapping[str, Any], arch: str, source: str) -> ModelSpe
         placeholder_token_ids=placeholders)
     ids = cfg if cfg.get("eos_token_id") is not None else values
     full = next((a for a in attention if a.window is None), attention[0])
-    return ModelSpec(
+    return dict(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
@@ -179,13 +174,13 @@ def _refuse_unsupported(raw: Mapping[str, Any], source: str, version: int) -> No
             raise ValueError(f"{source}: {key} must be a finite positive number, got {v!r}")
 
 
-def _hf_config(cfg: Mapping[str, Any], arch: str, source: str) -> Any:
-    """``cfg`` as transformers' config class of ``arch`` reads it (nothing fetched)."""
+def _hf_config(cfg: Mapping[str, Any], model_type: str, source: str) -> Any:
+    """``cfg`` as transformers' config class of ``model_type`` reads it (nothing fetched)."""
     from transformers import AutoConfig
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(SUPPORTED_ARCHITECTURES[arch], **fields)
+        return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # its own validation, of what the checks here let through
         raise ValueError(f"{source}: transformers cannot read it ({type(e).__name__}: "
                          f"{e})") from e

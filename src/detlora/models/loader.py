@@ -29,6 +29,7 @@ from detlora.models.finite_weights import check_finite
 from detlora.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from detlora.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from detlora.models.llama import LlamaForCausalLM
+from detlora.models.lora_targets import LoRATargets
 from detlora.models.mistral import MistralForCausalLM
 from detlora.models.phi3 import Phi3ForCausalLM
 from detlora.models.qwen2 import Qwen2ForCausalLM
@@ -176,3 +177,13 @@ def checkpoint_files(path: Path) -> list[Path]:
                          "loads safetensors only (convert with save_pretrained(..., "
                          "safe_serialization=True))")
     raise FileNotFoundError(f"{path} holds no *.safetensors weight file")
+
+
+def lora_target_shapes_of(spec: ModelSpec) -> LoRATargets:
+    """The LoRA targets of the model ``spec`` describes, without its weights: the model is
+    built on the meta device (nothing allocated), as the loader builds it."""
+    model = ARCHITECTURES[spec.architecture](spec, backend=make_backend("cpu"),
+                                             dtype=torch.bfloat16, device="meta",
+                                             max_positions=2)
+    shapes = model.lora_target_shapes()
+    return shapes if isinstance(shapes, LoRATargets) else LoRATargets(shapes)

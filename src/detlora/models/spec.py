@@ -18,15 +18,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from detlora.json_files import read_json_object
+from detlora.models.config_fields import (  # noqa: F401 (_MAX_SIZE: a name others use)
+    _DTYPES,
+    _MAX_SIZE,
+    _MAX_TOKENS,
+    _positive,
+    _Reader,
+    _token_ids,
+)
+from detlora.models.gemma_config import GemmaSpec, gemma_spec_fields
 from detlora.models.layer_spec import KVGroup, LayerAttention, RopeSpec, kv_groups
-
-if TYPE_CHECKING:
-    from detlora.models.gemma_config import GemmaSpec
 
 # architecture -> HF model_type. Llama, Qwen2/3, Mistral and Phi-3: decoder-only, pre-norm,
 # SwiGLU, neox rotary, GQA; Gemma 3 and 4 (models/gemma_config.py reads them) differ per layer.
@@ -49,12 +55,6 @@ _ARCH_ROPE_TYPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"Phi3ForCausalLM": ("default", "longrope")})
 _ARCH_ROPE_ALIASES: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}})  # as Phi3Config reads them
-_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
-    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-)
-# Bounds on config sizes: token ids are int32 on the device, positions index int32 tables.
-_MAX_SIZE = 1 << 24
-_MAX_TOKENS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,7 @@ class ModelSpec:
         r = _Reader(cfg, source)
         arch = _architecture(cfg, source)
         if arch in GEMMA_ARCHITECTURES:
-            from detlora.models.gemma_config import gemma_model_spec
-
-            return gemma_model_spec(cfg, arch, source)
+            return cls(**gemma_spec_fields(cfg, arch, SUPPORTED_ARCHITECTURES[arch], source))
         _refuse_unsupported(cfg, source)
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")
@@ -194,51 +192,6 @@ class ModelSpec:
             qkv_bias=arch in _QKV_BIAS,
             layer_windows=windows,
         )
-
-
-class _Reader:
-    """Typed, checked access to config fields; errors name the file and the field."""
-
-    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
-
-    def _get(self, key: str, default: Any) -> Any:
-        value = self.cfg.get(key)
-        if value is None:
-            if default is None:
-                raise ValueError(f"{self.source}: required field {key!r} is missing")
-            return default
-        return value
-
-    def int(self, key: str, default: int | None = None, high: int = _MAX_SIZE) -> int:
-        v = self._get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= high:
-            raise ValueError(f"{self.source}: {key} must be an integer in [1, {high}], "
-                             f"got {v!r}")
-        return v
-
-    def float(self, key: str, default: float | None = None,
-              below: float | None = None) -> float:
-        v = self._get(key, default)
-        if not _positive(v) or (below is not None and v >= below):
-            upper = "" if below is None else f" below {below}"
-            raise ValueError(f"{self.source}: {key} must be a finite positive number{upper}, "
-                             f"got {v!r}")
-        return float(v)
-
-    def bool(self, key: str, default: bool) -> bool:
-        v = self.cfg.get(key, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise ValueError(f"{self.source}: {key} must be true or false, got {v!r}")
-        return v
-
-
-def _positive(v: object) -> bool:
-    """A finite number > 0 (not a bool)."""
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) \
-        and v > 0
 
 
 def _refuse_unsupported(cfg: Mapping[str, Any], source: str) -> None:
@@ -425,14 +378,6 @@ _WINDOWS: Mapping[str, Callable[[_Reader, int], tuple[int | None, ...]]] = Mappi
     "Qwen2ForCausalLM": _qwen_windows, "Qwen3ForCausalLM": _qwen_windows,
     "MistralForCausalLM": _every_layer_window(4096), "Phi3ForCausalLM": _every_layer_window(None),
 })
-
-
-def _token_ids(cfg: Mapping[str, Any], key: str, source: str) -> tuple[int, ...]:
-    value = cfg.get(key)
-    values = [] if value is None else value if isinstance(value, list) else [value]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError(f"{source}: {key} must be a token id or a list of them, got {value!r}")
-    return tuple(values)
 
 
 # Left out of what transformers reads, and read by _rope: transformers 5.x refuses llama3
