@@ -171,3 +171,36 @@ def test_adapter_with_kv_deltas_on_a_shared_layer_is_refused(case, tmp_path):
     assert "layers.4.self_attn.k_proj" in out.outputs[0].error
     assert "layer 4 is a KV-shared layer: it reads the keys and values of layer 3" in \
         out.outputs[0].error
+
+
+def test_introspection_reads_every_groups_kv(case):
+    """``read_kv`` takes every KV group's slots and pads the layers' two head sizes; the
+    engine continued from its own K/V (``continue_from_kv``) gives its own tokens."""
+    import torch
+
+    from detlora.engine.introspect import continue_from_kv, observe, read_kv
+
+    base, ad, _, prompts, _, _, _ = case
+    llm = make_llm(base, block_size=4)
+    engine, lora = llm.engine, LoRARequest("a", 1, str(ad))
+    ks, vs = [], []
+
+    def on_step(step, logits):
+        k, v = read_kv(engine, step.slot_mapping, step.group_slot_mapping)
+        ks.append(k)
+        vs.append(v)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = prompts[3]  # 26 tokens: past the window of 8
+    with observe(engine, on_step=on_step):
+        tokens = llm.generate(prompt, greedy, lora, use_tqdm=False)[0].outputs[0].token_ids
+    k, v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+    assert tuple(k.shape) == (6, len(prompt) + 7, 2, 32)  # sliding layers padded 16 -> 32
+    assert torch.equal(k[0, :, :, 16:], torch.zeros_like(k[0, :, :, 16:]))
+    assert torch.equal(k[4], k[3]) and torch.equal(v[5], v[2])  # KV-shared layers' sources
+    cut = len(prompt) + 3
+    got = continue_from_kv(engine, prompt + tokens[:4], k[:, :cut], v[:, :cut], lora=lora,
+                           max_tokens=4)
+    assert [t.token_id for t in got] == tokens[4:]
+    again = llm.generate(prompt, greedy, lora, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == tokens
