@@ -346,6 +346,9 @@ class LLMEngine:
         from detlora.json_files import read_json_object
 
         c = self.config
+        if spec.gemma is not None:  # before any worker starts (models/gemma3.py refuses too)
+            raise ValueError(f"{spec.architecture}: tensor parallelism is not supported for "
+                             "Gemma models yet (use tensor_parallel_size=1)")
         # The rule docs/tensor_parallel.md's table is computed with, on the same config.json.
         config_json = read_json_object(Path(self.model_dir), "config.json", "model",
                                        "a model directory")
