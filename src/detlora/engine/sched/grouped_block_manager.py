@@ -150,7 +150,8 @@ class GroupedBlockManager:
         out.groups = [[] for _ in self.pools]
         if not self.enable_caching:
             return out
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         limit = min(len(keys), (len(seq.token_ids) - 1) // self.block_size)
         found = [[pool.lookup(k) for k in keys[:limit]] for pool in self.pools]
         for g, window in enumerate(self.windows):
@@ -206,7 +207,8 @@ class GroupedBlockManager:
         release what its windows left behind."""
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
         if self.enable_caching and full > seq.num_registered_pages:
-            keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+            keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
             end = min(full, len(keys), len(seq.block_table))
             for g, pool in enumerate(self.pools):
                 table = self.table(seq, g)
@@ -220,7 +222,8 @@ class GroupedBlockManager:
     def mark_computing(self, seq: Sequence) -> None:
         if not self.enable_caching:
             return
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         for key in keys[seq.num_registered_pages:]:
             self._computing[key] = self._computing.get(key, 0) + 1
         seq.num_computing_end = len(keys)
@@ -229,7 +232,8 @@ class GroupedBlockManager:
         i = len(cached)
         if not self._computing or i >= (len(seq.token_ids) - 1) // self.block_size:
             return False
-        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora)
+        keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
+                                seq.position_offset)
         return i < len(keys) and keys[i] in self._computing
 
     def _unmark(self, seq: Sequence, end: int) -> None:
