@@ -39,8 +39,10 @@
 #                     | tensor-parallel (2+ GPUs: TP 1 against 2)
 #                     | architectures (the base-architecture registry: qwen2.5-7b, mistral-7b,
 #                     phi3.5-mini, ...; $ARCH_MODELS="a,b" runs some) | architectures-tests
-#                     | architectures-gemma (Gemma 4 E4B, Gemma 3 1B / 4B shapes; one shape per
-#                     step: architectures-gemma-e4b, -1b, -4b, each to its own JSON)
+#                     (the Gemma shapes: ARCH_MODELS=gemma4-e4b,gemma3-1b,gemma3-4b)
+#                     | architectures-gemma (Gemma 4 E4B, Gemma 3 1B / 4B: checks across the
+#                     window and the 32k-context TPOT; one shape per step:
+#                     architectures-gemma-e4b, -1b, -4b, each to its own JSON)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.suites import architectures_gemma as gemma
 from benchmarks.suites import engine as eng
 
 LEVELS = ("fast", "batch_invariant")
@@ -93,6 +94,10 @@ SHAPES: dict[str, Shape] = {
         "sliding_window": 262144, "tie_word_embeddings": False, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
         "torch_dtype": "bfloat16"}, FUSED_TARGETS),
+    # Gemma 4 E4B, Gemma 3 1B and 4B (their windows, the 32k-context TPOT and window-crossing
+    # checks: benchmarks/suites/architectures_gemma.py).
+    **{name: Shape(g["family"], g["config"], tuple(g["adapter_targets"]))
+       for name, g in gemma.SHAPES.items()},
 }
 
 
@@ -137,6 +142,13 @@ def smoke_config(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in small:
             small[key] = min(small[key], 319)
+    if "layer_types" in small or "sliding_window_pattern" in small:  # Gemma: one of each
+        small |= {"layer_types": ["sliding_attention", "full_attention"], "head_dim": 16,
+                  "num_kv_shared_layers": 0, "sliding_window": 8}
+        small.pop("sliding_window_pattern", None)
+        if "global_head_dim" in small:
+            small |= {"global_head_dim": 32, "hidden_size_per_layer_input": 8,
+                      "vocab_size_per_layer_input": 320}
     rope = small.get("rope_scaling")
     if rope and rope.get("type", rope.get("rope_type")) == "longrope":
         small["rope_scaling"] = {**rope, "short_factor": rope["short_factor"][:8],
@@ -171,6 +183,8 @@ def write_model(path: Path, cfg: dict[str, Any], device: str, seed: int = 0) -> 
             continue
         x = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32)
         x = 1 + 0.05 * x if "norm" in name and name.endswith("weight") else 0.02 * x
+        if name.endswith("layer_scalar"):  # Gemma 4 scales the residual stream by it
+            x = torch.ones_like(x)
         tensors[name] = x.to(dtype).cpu().contiguous()
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -245,6 +259,8 @@ def measure(name: str, shape: Shape, plan: Plan, root: Path,
     step_bytes = (sizes["weight_bytes"] - sizes["embedding_bytes"]
                   + sizes["embedding_bytes"] // cfg["vocab_size"] + adapter_bytes[0]
                   + int(kv_bytes_per_token(cfg) * context))
+    if shape.family in ("gemma3", "gemma4"):  # tied head, per-layer embeddings, windows
+        step_bytes = gemma.decode_bytes(cfg, int(context), adapter_bytes[0])
     tbps = copy_bandwidth_tbps(device, 2**30 if device == "cuda" else 2**26)
     log(f"{name}: wrote {sizes['weight_bytes'] / 1e9:.2f} GB and adapters in "
         f"{time.perf_counter() - started:.0f} s; {tbps:.2f} TB/s copy, batch-1 floor "

@@ -1,8 +1,11 @@
 """Gemma shapes of the architectures benchmark (issue 46): Gemma 4 E4B and Gemma 3 1B / 4B
 with random bf16 weights and a rank-16 adapter on all seven projections.
 
-``SHAPES`` is the registry (name -> family, config.json dict, adapter targets), the form of
-benchmarks/suites/architectures.py's, for the lead to join. The E4B text config is the one
+``SHAPES`` is the registry (name -> family, config.json dict, adapter targets), joined into
+benchmarks/suites/architectures.py's ``SHAPES``: that suite writes their rows of
+``architectures.json`` with every other family's protocol (its prompts stay inside the
+windows). This one adds what only windows have: invariance checks on prompts that cross the
+window and the 32k-context TPOT, with its own rows (below). The E4B text config is the one
 in the issue's reference notes (42 layers, 5:1 sliding/full, window 512, head_dim 256 / 512,
 18 KV-shared layers, PLE 256, soft-cap 30); the Gemma 3 ones are the published configs'
 text fields (1B: 26 layers, hidden 1152, one KV head, window 512; 4B: 34 layers, hidden
@@ -71,7 +74,7 @@ GEMMA4_E4B = {
     "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
     "max_position_embeddings": 131072, "enable_moe_block": False,
     "use_double_wide_mlp": False, "hidden_activation": "gelu_pytorch_tanh",
-    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "dtype": "bfloat16",
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "bfloat16",
 }
 GEMMA3_1B = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
@@ -82,7 +85,7 @@ GEMMA3_1B = {
     "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "final_logit_softcapping": None,
     "attn_logit_softcapping": None, "max_position_embeddings": 32768,
     "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
-    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "dtype": "bfloat16",
+    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "torch_dtype": "bfloat16",
 }
 GEMMA3_4B = {
     **GEMMA3_1B, "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
@@ -107,7 +110,7 @@ SMOKE = {"family": "gemma4", "adapter_targets": list(TARGETS), "long_context": T
                     "global_head_dim": 32, "sliding_window": 8, "num_kv_shared_layers": 2,
                     "hidden_size_per_layer_input": 8, "max_position_embeddings": 512,
                     "layer_types": ["sliding_attention", "sliding_attention",
-                                    "full_attention"] * 2, "dtype": "float32"}}
+                                    "full_attention"] * 2, "torch_dtype": "float32"}}
 
 
 class Plan:
@@ -126,6 +129,10 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- weights
+
+
+def _fp32(config: dict[str, Any]) -> bool:
+    return "float32" in (config.get("torch_dtype"), config.get("dtype"))
 
 
 def _model_on_meta(config: dict[str, Any]) -> Any:
@@ -147,7 +154,7 @@ def write_checkpoint(path: Path, config: dict[str, Any], *, seed: int = 0,
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    dtype = torch.float32 if config.get("dtype") == "float32" else torch.bfloat16
+    dtype = torch.float32 if _fp32(config) else torch.bfloat16
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
     unit = "Gemma3" in config["architectures"][0]  # norms scale by 1 + w there
@@ -217,7 +224,7 @@ def decode_bytes(config: dict[str, Any], context: int, adapter_bytes: int) -> in
 
     model = _model_on_meta(config)
     spec = ModelSpec.from_config(config)
-    elem = 4 if config.get("dtype") == "float32" else 2
+    elem = 4 if _fp32(config) else 2
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, LinearBase))
     head = spec.vocab_size * spec.hidden_size
     ple = model.per_layer_embedding
@@ -235,7 +242,7 @@ def full_kv_bytes_per_token(config: dict[str, Any]) -> int:
     from detlora.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(config)
-    elem = 4 if config.get("dtype") == "float32" else 2
+    elem = 4 if _fp32(config) else 2
     return sum(2 * a.num_kv_heads * a.head_dim * elem
                for a in map(spec.attention, range(spec.num_layers)) if a.window is None)
 

@@ -208,7 +208,7 @@ class GroupedBlockManager:
         full = min(seq.num_computed, len(seq.token_ids)) // self.block_size
         if self.enable_caching and full > seq.num_registered_pages:
             keys = extend_page_keys(seq.page_keys, seq.token_ids, self.block_size, seq.lora,
-                                seq.position_offset)
+                                    seq.position_offset)
             end = min(full, len(keys), len(seq.block_table))
             for g, pool in enumerate(self.pools):
                 table = self.table(seq, g)
