@@ -7,7 +7,7 @@ safetensors, tokenizer), which is what the loader reads:
 * a Hub id (``org/name``) goes through ``huggingface_hub.snapshot_download`` (its cache, or
   ``download_dir``); without a network a model already in the cache is used, and one that is
   not is a clear error that says how to download it;
-* a ``.gguf`` file (Llama, Mistral as Llama, Qwen3, Qwen2, Phi-3, Gemma 3 or Gemma 4 text) is
+* a ``.gguf`` file (Llama, Mistral as Llama, Qwen3, Qwen2, Phi-3 or Gemma 3 text) is
   read by transformers' GGUF support (which needs the ``gguf`` package), dequantized to
   ``dtype``, and written once as a model directory under the cache (``cache_dir()``); later
   loads read that directory.
@@ -30,7 +30,9 @@ from detlora.models.spec import SUPPORTED_ARCHITECTURES
 # as "llama", and transformers 5.x reads such a file as LlamaForCausalLM (no window).
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
+                       "gemma3": "Gemma3ForCausalLM"}
+# Not Gemma 4: transformers 5.24 reads few of its GGUF metadata keys (no layer types, KV
+# sharing or per-layer-embedding size), so a converted file would not be the model.
 assert set(_GGUF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES)
 # What a model directory needs from the Hub: no pickles, no other formats' copies.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt",
