@@ -95,8 +95,11 @@ def test_mixed_adapter_batch(setup):
 @pytest.mark.parametrize("chunk", [1, 3], ids=["decode", "chunked"])
 def test_steps_across_the_window_edge(setup, chunk):
     """Prefill 6 tokens, then steps of ``chunk`` tokens to 18 (the window is 8): each
-    step's last row equals HF on the whole sequence, pages behind the window released."""
-    _, base, ad1, _, ref = setup
+    step's last row equals HF on the whole sequence, pages behind the window released.
+    (The multimodal tower is the text model's code: its prefill and batch are checked.)"""
+    name, base, ad1, _, ref = setup
+    if name == "gemma4-multimodal" or (name == "gemma3" and chunk == 1):
+        pytest.skip("the same path as the cases run")
     model = load_model(base, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
     manager = LoRAManager(model)
     adapters = [LoRARequest("one", 1, str(ad1)), None]
@@ -134,7 +137,7 @@ def test_greedy_generation_is_hf_token_for_token(setup):
     prompts = _prompts([11, 6], seed=8)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-    for adapter in (None, ad1):
+    for adapter in (None,) if name == "gemma3" else (ad1,):
         model = hf if adapter is None else PeftModel.from_pretrained(hf, str(adapter)).eval()
         req = None if adapter is None else LoRARequest("one", 1, str(adapter))
         outs = llm.generate(prompts, sp, req, use_tqdm=False)

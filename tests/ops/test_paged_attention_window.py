@@ -118,7 +118,8 @@ def test_window_matches_dense_fp64_with_released_pages(fn, case):
 
 INVARIANCE = [  # (fn, case, thorough): the interpreter gets a shorter list of ways in
     ("cpu_invariant", CASES[0], True), ("cpu_invariant", CASES[1], True),
-    ("triton", CASES[0], True), ("triton", (torch.float16, 4, 1, 512, 8, 40), False)]
+    ("triton", (torch.float16, 6, 2, 16, 8, 20), True),
+    ("triton", (torch.float16, 4, 1, 512, 8, 40), False)]
 
 
 @pytest.mark.parametrize("fn,case,thorough", INVARIANCE,
@@ -144,13 +145,13 @@ def test_rows_identical_across_modes_and_window_edges(fn, case, thorough):
     for cut in cuts:  # chunked prefill in two pieces, cut around the window's edge
         check(0, cut, f"chunk 0:{cut}")
         check(cut, n, f"chunk {cut}:{n}")
-    decodes = [0, window - 1, window, 64, n - 1] if thorough else [window, n - 1]
+    decodes = [0, window - 1, window, 64, n - 1] if thorough else [n - 1]
     for p in decodes:  # one decode step per launch
         check(p, p + 1, f"decode {p}")
     if fn == "triton":
-        check(0, n, "prefill over 2 CTAs", kv_ctas=2)
         check(n - 1, n, "decode over 2 CTAs", kv_ctas=2, max_query_len=1)
-        check(n - 1, n, "decode tile hint", max_query_len=1)
+        if thorough:
+            check(0, n, "prefill over 2 CTAs", kv_ctas=2)
     steps = [window - 1, 64, n - 1]
     batched = _run(attn, data, kc, vc, tables, [(0, p, p + 1) for p in steps], window, **kw)
     for p, row in zip(steps, batched, strict=True):
