@@ -27,9 +27,10 @@ def read_json_object(directory: Path, name: str, what: str, needed_by: str) -> d
     return value
 
 
-def read_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_jsonl_objects(path: Path, key: str = "prompt") -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a JSON-lines file; a ValueError names
-    the line that is not valid JSON or not an object whose "prompt" the caller then checks."""
+    the line that is not valid JSON or not an object with ``key`` (whose value the caller
+    then checks)."""
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -37,6 +38,6 @@ def read_jsonl_objects(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict) or "prompt" not in row:
-            raise ValueError(f'{path}:{n}: each line must be an object with a "prompt"')
+        if not isinstance(row, dict) or key not in row:
+            raise ValueError(f'{path}:{n}: each line must be an object with a "{key}"')
         yield n, row

@@ -86,3 +86,71 @@ def test_a_question_whose_adapter_cannot_load_raises_with_the_reason(setup, tmp_
         llm.decide("x", {"toxic": QUESTIONS["toxic"]}, lora_request=LoRARequest("nan", 9, str(bad)))
     assert not llm.engine.has_unfinished()
     assert 0.0 <= llm.decide("x", {"toxic": QUESTIONS["toxic"]}).answers["toxic"]["noul"] <= 1.0
+
+
+def test_many_states_in_one_call_give_each_state_its_answers_alone(setup):
+    """A list of states: one Decision each, the bits each state gets alone, with one set of
+    questions for all, one per state, and an adapter per state; the instructions' prefix
+    pages are shared across states. A bad state is named by its index."""
+    llm, lora = setup
+    states = ["the customer is angry", {"comment": "thanks, all good"}, ["an", "array"],
+              "the order is late again", "calm words"]
+    qs = {k: QUESTIONS[k] for k in ("toxic", "mood")}
+
+    def one(state, questions, lora_request):  # an array state alone: a list of one
+        if isinstance(state, list):
+            return llm.decide([state], questions, instructions="Judge.",
+                              lora_request=lora_request, use_tqdm=False)[0]
+        return llm.decide(state, questions, instructions="Judge.", lora_request=lora_request)
+
+    alone = [one(s, qs, lora) for s in states]
+    bulk = llm.decide(states, qs, instructions="Judge.", lora_request=lora, use_tqdm=False)
+    assert [d.answers for d in bulk] == [d.answers for d in alone]
+    assert [d.fingerprint for d in bulk] == [d.fingerprint for d in alone]
+    assert [d.prompt_tokens for d in bulk] == [d.prompt_tokens for d in alone]
+    assert sum(d.cached_tokens for d in bulk[1:]) > 0  # the shared template's pages
+    per_state = [qs, {"urgency": QUESTIONS["urgency"]}, qs, qs, {"side": QUESTIONS["side"]}]
+    loras = [lora, None, lora, None, lora]
+    mixed = llm.decide(states, per_state, instructions="Judge.", lora_request=loras,
+                       use_tqdm=False)
+    for s, q, lr, d in zip(states, per_state, loras, mixed, strict=True):
+        ref = one(s, q, lr)  # cached tokens follow what ran before: not compared
+        assert (d.answers, d.fingerprint, d.prompt_tokens) == \
+            (ref.answers, ref.fingerprint, ref.prompt_tokens)
+    with pytest.raises(ValueError, match=r"states\[1\] must be a string"):
+        llm.decide(["ok", 3], qs)
+    with pytest.raises(ValueError, match="2 entries but there are 3 states"):
+        llm.decide(["a", "b", "c"], [qs, qs])
+    with pytest.raises(ValueError, match="empty list of states"):
+        llm.decide([], qs)
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_template_split_gives_the_rendered_prompt(setup):
+    """The planner's prompt (the template split around the state) is the template's own
+    rendering, for states with whitespace, markup and braces; a template that changes the
+    content is rendered per state instead."""
+    from detlora.decisions import ReadPlanner, decision_messages
+
+    llm, _ = setup
+    tok = llm.tokenizer
+    questions = parse_questions(QUESTIONS)
+    states = ["  padded \n", "<b>{{ x }}</b> &amp;", {"k": [1, 2]}, "plain"]
+    planner = ReadPlanner.of(tok, questions, "Judge.")
+    for state, reads in zip(states, planner.plan(states), strict=True):
+        for r in reads:
+            assert r.prompt_token_ids == tok.encode_chat(
+                decision_messages(state, r.question, "Judge."))
+    assert planner.verbatim is True
+    assert ReadPlanner.of(tok, questions, "Judge.") is planner  # kept for the next call
+    original = tok.hf.chat_template
+    tok.hf.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> "
+                            "{{ m['content'] | replace('probe', 'x') }} {% endfor %}")
+    try:
+        other = ReadPlanner(tok, questions[:1], None)
+        reads = other.plan(["a probe here"])[0]
+        assert other.verbatim is False
+        assert reads[0].prompt_token_ids == tok.encode_chat(
+            decision_messages("a probe here", questions[0]))
+    finally:
+        tok.hf.chat_template = original

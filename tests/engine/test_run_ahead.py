@@ -171,3 +171,39 @@ def test_arrivals_join_steps_launched_ahead_with_the_same_outputs(llama_dir, lla
     assert any(s.num_cached_tokens for s in seqs)  # prefix pages shared with running requests
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
     assert engine._inflight is None
+
+
+def test_waves_of_one_token_requests_prefill_ahead_with_the_same_outputs(llama_dir,
+                                                                         llama_adapters):
+    # Short requests (one token, some three, some reading label logprobs) queued for four
+    # sequence slots: every step ends its one-token rows, so the next wave is admitted into
+    # a step launched while they are still in flight (the rows that end are left out of it),
+    # and the requests that go on decode beside the new prompts.
+    loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(llama_adapters)]
+    prompts = random_prompts(24, seed=44, lo=3, hi=15)
+
+    def run(run_ahead: bool):
+        llm = LLM(str(llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8,
+                  device="cpu", max_num_seqs=4, block_size=4)
+        engine = llm.engine
+        engine.run_ahead = run_ahead
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=1 + 2 * (k % 5 == 4),
+                                                     temperature=0.0, logprobs=1),
+                                   lora=loras[k % 2] if k % 3 else None,
+                                   label_token_ids=[20, 21] if k % 4 == 1 else None)
+                for k, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step_sequences()
+        return engine, seqs
+
+    base_engine, base = run(False)
+    engine, seqs = run(True)
+    for k, (a, b) in enumerate(zip(seqs, base, strict=True)):
+        assert a.token_ids == b.token_ids, f"request {k}: tokens differ when running ahead"
+        assert a.logprobs == b.logprobs, f"request {k}: logprobs differ"
+        assert a.label_logprobs == b.label_logprobs, f"request {k}: label logprobs differ"
+        assert a.finish_reason == b.finish_reason == "length"
+    assert engine.num_admitted_ahead >= 16  # the waves after the first came in ahead
+    assert engine.num_steps <= base_engine.num_steps
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    assert not engine.has_unfinished() and engine._inflight is None

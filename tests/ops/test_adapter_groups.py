@@ -54,6 +54,8 @@ def test_other_bad_inputs_raise():
 @pytest.mark.parametrize("ids,num_adapters", [
     ([2, -1, 0, 2, 0, -1, 2], 4), ([3], 8), ([-1, -1], 1), ([0, 1, 0, 1, -1], 2),
     ([1, 1, 1], 3), (list(range(-1, 7)) * 3, 7),
+    # Past HOST_NUMPY_ROWS the host path counts and sorts with numpy: the same values.
+    ([(k * 7) % 5 - 1 for k in range(600)], 4), ([2] * 300 + [-1] * 5, 3),
 ])
 def test_host_grouping_gives_the_device_grouping(ids, num_adapters):
     g = group_tokens(torch.tensor(ids, dtype=torch.int32), num_adapters)

@@ -7,7 +7,14 @@ label logprobs batch-invariantly, so equal fingerprints give equal probabilities
 """
 
 from detlora.decisions.questions import Question, parse_question, parse_questions
-from detlora.decisions.reads import DecisionRead, answer, decision_messages, plan_reads, softmax
+from detlora.decisions.reads import (
+    DecisionRead,
+    ReadPlanner,
+    answer,
+    decision_messages,
+    plan_reads,
+    softmax,
+)
 
-__all__ = ["DecisionRead", "Question", "answer", "decision_messages", "parse_question",
-           "parse_questions", "plan_reads", "softmax"]
+__all__ = ["DecisionRead", "Question", "ReadPlanner", "answer", "decision_messages",
+           "parse_question", "parse_questions", "plan_reads", "softmax"]

@@ -422,17 +422,38 @@ class LLMEngine:
                       lora: LoRARequest | None,
                       label_token_ids: Sequence[int] | None = None) -> None:
         """Raise ValueError for a request the engine could never run."""
+        self.check_requests([(prompt_token_ids, params, lora, label_token_ids)])
+
+    def check_requests(
+        self, requests: Sequence[tuple[Sequence[int], SamplingParams, LoRARequest | None,
+                                       Sequence[int] | None]],
+    ) -> None:
+        """``check_request`` for each (prompt ids, params, lora, label ids): what depends only
+        on the params or the adapter is checked once per distinct object, so a call of
+        thousands of short requests sharing them costs microseconds a request. A ValueError
+        names the request's index when there is more than one."""
         self._check_running()
+        params_seen: set[int] = set()
+        loras_seen: set[int] = set()
+        several = len(requests) > 1
+        for i, (prompt_token_ids, params, lora, label_token_ids) in enumerate(requests):
+            try:
+                if id(params) not in params_seen:
+                    self._check_params(params)
+                    params_seen.add(id(params))
+                if lora is not None and id(lora) not in loras_seen:
+                    self._check_lora(lora)
+                    loras_seen.add(id(lora))
+                self._check_prompt(prompt_token_ids, params, label_token_ids)
+            except ValueError as e:
+                if several:
+                    raise type(e)(f"request {i}: {e}") from None
+                raise
+
+    def _check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        ids = token_id_list(prompt_token_ids, "prompt_token_ids")
-        n = len(ids)
-        if n == 0:
-            raise ValueError("a prompt must have at least one token")
         vocab = self.spec.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need the model's tokenizer, and this engine has "
                              "none: use stop_token_ids")
@@ -442,11 +463,6 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab}): "
                                  f"{bad[:5]}")
-        if label_token_ids is not None and (not label_token_ids or any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                for t in label_token_ids)):
-            raise ValueError(f"label_token_ids must be token ids in [0, {vocab}), "
-                             f"got {list(label_token_ids)[:5]}")
         if params.structured_outputs is not None:
             self.grammar_backend().compile(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
@@ -454,21 +470,38 @@ class LLMEngine:
             if want is not None and want > vocab:
                 raise ValueError(f"{name}={want} asks for more top tokens than the "
                                  f"vocabulary holds ({vocab})")
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        if self.lora_manager is None:
+            raise ValueError("a lora_request was given but the engine was built with "
+                             "enable_lora=False")
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        self.lora_manager.check(lora)
+        if not Path(lora.real_path).is_dir():  # the rest is checked when it is read
+            raise FileNotFoundError(f"adapter directory {lora.path} does not exist "
+                                    f"(LoRARequest {lora.name!r}, id {lora.id})")
+
+    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      label_token_ids: Sequence[int] | None) -> None:
+        ids = token_id_list(prompt_token_ids, "prompt_token_ids")
+        n = len(ids)
+        if n == 0:
+            raise ValueError("a prompt must have at least one token")
+        vocab = self.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # in C; then the first bad one, for the message
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if label_token_ids is not None and (not label_token_ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                for t in label_token_ids)):
+            raise ValueError(f"label_token_ids must be token ids in [0, {vocab}), "
+                             f"got {list(label_token_ids)[:5]}")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt of {n} tokens is too long: max_model_len={self.max_model_len} leaves "
                 f"room for prompts of at most {self.max_model_len - 1} tokens"
             )
-        if lora is not None:
-            if self.lora_manager is None:
-                raise ValueError("a lora_request was given but the engine was built with "
-                                 "enable_lora=False")
-            if not isinstance(lora, LoRARequest):
-                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-            self.lora_manager.check(lora)
-            if not Path(lora.real_path).is_dir():  # the rest is checked when it is read
-                raise FileNotFoundError(f"adapter directory {lora.path} does not exist "
-                                        f"(LoRARequest {lora.name!r}, id {lora.id})")
         pages = self.block_manager.blocks_for(self._max_len(n, params) - 1)
         if pages > self.block_manager.num_blocks:
             outputs = params.max_tokens or f"up to max_model_len={self.max_model_len}"
@@ -494,12 +527,16 @@ class LLMEngine:
         request_id: str | None = None,
         sample_index: int = 0,
         label_token_ids: Sequence[int] | None = None,
+        checked: bool = False,
     ) -> Seq:
         """One completion of a prompt: ``sample_index`` i < ``params.n`` picks its seed (see
         ``SamplingParams``). ``label_token_ids``: report the raw logprobs of the first output
-        position at these ids (``RequestOutput.label_logprobs``; decisions read them)."""
+        position at these ids (``RequestOutput.label_logprobs``; decisions read them).
+        ``checked``: the caller has passed these very arguments through ``check_requests``
+        (a bulk caller checks once, not twice)."""
         self._check_running()
-        self.check_request(prompt_token_ids, params, lora, label_token_ids)
+        if not checked:
+            self.check_request(prompt_token_ids, params, lora, label_token_ids)
         index = next(self._counter)
         if params.seed is None:
             seed = derive_seed(self.config.seed, index)
@@ -797,12 +834,15 @@ class LLMEngine:
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
         """Launch the next step before ``current`` is read, when every running sequence is
-        sure to decode in it: each sampled in ``current``, is not finished by length there,
-        and the KV pages for its next token are free. Waiting requests that the scheduler
-        admits join the step with their prompts (vLLM's async scheduling), so arrivals do not
-        stop the run-ahead. A slot that ``current`` frees (a stop token the host has not read)
-        is filled one step later than step by step would: batches then differ, never a
-        batch_invariant row's bits."""
+        sure to decode in it or to end with it: each sampled in ``current``, and either the
+        KV pages for its next token are free, or ``current`` brings it to its length (it
+        ends when ``current`` is read, whatever its token: it is left out). Waiting requests
+        that the scheduler admits join the step with their prompts (vLLM's async
+        scheduling), so arrivals do not stop the run-ahead, and a wave of one-token requests
+        (each ending in its first step) prefills the next wave while its own step runs. A
+        slot that ``current`` frees (a stop token the host has not read) is filled one step
+        later than step by step would: batches then differ, never a batch_invariant row's
+        bits."""
         running = self.scheduler.running
         if (
             not self.run_ahead
@@ -815,25 +855,29 @@ class LLMEngine:
         rows = {id(seq): r for r, seq in enumerate(current.seqs)}
         offset = self.scheduler.position_offset
         needs = []
+        ending: set[int] = set()  # reach their length in ``current``
         for seq in running:
             length = len(seq.token_ids)  # with the unread token
-            if (
-                id(seq) not in rows
-                or length - seq.num_computed != 1  # its pending tokens
-                or length >= seq.max_len  # max_tokens or max_model_len
-                # LongRoPE past its original context: recomputed once its token is read.
-                or (offset is not None and offset(length) != seq.position_offset)
-            ):
+            if id(seq) not in rows or length - seq.num_computed != 1:  # its pending tokens
                 return None
+            if length >= seq.max_len:  # max_tokens or max_model_len
+                ending.add(id(seq))
+                continue
+            if offset is not None and offset(length) != seq.position_offset:
+                return None  # LongRoPE past its original context: recomputed once read
             needs.append((seq, length))
         if not self.block_manager.fits(needs):  # pages for every next token, in every group
             return None
-        decoding = len(running)
-        sched = self.scheduler.schedule()
+        if len(ending) == len(running) and not self.scheduler.waiting:
+            return None  # nothing would run in it
+        decoding = len(running) - len(ending)
+        sched = self.scheduler.schedule(ending=ending)
         items = sched.scheduled
         if (sched.preempted or len(items) < decoding
                 or any(it.num_tokens != 1 or id(it.seq) not in rows for it in items[:decoding])):
             raise RuntimeError("a step scheduled ahead did not decode every running sequence")
+        if not items:
+            return None  # every sequence ends, and no waiting one fits yet
         self.num_steps_ahead += 1
         self.num_admitted_ahead += len(items) - decoding
         return self._launch(sched, [rows[id(it.seq)] for it in items[:decoding]]

@@ -32,6 +32,8 @@ def _is_messages(x: object) -> bool:
 
 def _is_id(t: object) -> bool:
     """A Python or numpy integer (a bool is not a token id)."""
+    if type(t) is int:
+        return True
     return isinstance(t, numbers.Integral) and not isinstance(t, bool) and \
         type(t).__name__ != "bool_"
 
@@ -64,6 +66,8 @@ def token_id_list(ids: object, where: str = "prompt_token_ids") -> list[int]:
         return [int(t) for t in ids.tolist()]  # type: ignore[attr-defined]
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"{where} must be a list of token ids, got {type(ids).__name__}")
+    if set(map(type, ids)) == {int}:  # plain ints (the common case), checked in C
+        return list(ids)
     for i, t in enumerate(ids):
         if not _is_id(t):
             raise ValueError(f"{where}[{i}] must be an integer token id, got "

@@ -77,16 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.prompt_logprobs and not args.json:
         raise ValueError("--prompt-logprobs prints with --json only")
-    loras: dict[str, LoRARequest] = {}
-    for k, spec in enumerate(args.lora or []):
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
-        if name in loras:
-            raise ValueError(f"--lora {name}= is given twice")
-        if not Path(path).is_dir():  # before the model loads, not when a prompt needs it
-            raise ValueError(f"--lora {name}: adapter directory {path} does not exist")
-        loras[name] = LoRARequest(name, k + 1, path)
+    loras: dict[str, LoRARequest] = _parse_loras(args.lora)
     rows = _read_prompts(args)
     for row in rows:
         if row["lora"] is not None and row["lora"] not in loras:
@@ -128,6 +119,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- {row['prompt']!s} [{row['lora'] or 'base'}]{which} "
                       f"({c.finish_reason}, fingerprint {out.fingerprint})")
                 print(shown)
+    return 0
+
+
+def _parse_loras(specs: list[str] | None) -> dict:
+    """``--lora NAME=DIR`` options -> {name: LoRARequest}, ids 1, 2, ... in order."""
+    from detlora.lora.request import LoRARequest
+
+    loras: dict[str, LoRARequest] = {}
+    for k, spec in enumerate(specs or []):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=DIR, got {spec!r}")
+        if name in loras:
+            raise ValueError(f"--lora {name}= is given twice")
+        if not Path(path).is_dir():  # before the model loads, not when a state needs it
+            raise ValueError(f"--lora {name}: adapter directory {path} does not exist")
+        loras[name] = LoRARequest(name, k + 1, path)
+    return loras
+
+
+def _cmd_decide(args: argparse.Namespace) -> int:
+    _prepare_runtime()
+    from detlora.engine_args import EngineArgs
+    from detlora.entrypoints.decide_file import read_questions, read_states, run_decide
+    from detlora.entrypoints.llm import LLM
+
+    loras = _parse_loras(args.lora)
+    if args.state_lora is not None and args.state_lora not in loras:
+        raise ValueError(f"--state-lora {args.state_lora}: no --lora {args.state_lora}=DIR "
+                         f"was given (known: {sorted(loras)})")
+    questions = read_questions(args.questions)
+    instructions = args.instructions
+    rows = read_states(Path(args.states), adapters=set(loras), default_lora=args.state_lora)
+    engine_args = EngineArgs.from_cli_args(args, enable_lora=args.enable_lora or bool(loras))
+    llm = LLM(**dataclasses.asdict(engine_args))
+    n = run_decide(llm, rows, questions, instructions=instructions, loras=loras,
+                   out=Path(args.out) if args.out else None,
+                   progress=not args.no_progress)
+    if args.out:
+        print(f"detlora decide: {n} states answered into {args.out}", file=sys.stderr)
     return 0
 
 
@@ -308,6 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the output contains TEXT (repeatable; excluded from it)")
     EngineArgs.add_cli_args(g)
     g.set_defaults(func=_cmd_generate)
+
+    dc = sub.add_parser("decide", help="typed questions over a JSON-lines file of states: "
+                                       "probabilities and the fingerprint per line")
+    dc.add_argument("--states", required=True, metavar="FILE.jsonl",
+                    help='one JSON object per line: {"state": text, object or array, "lora"?: '
+                         "NAME, ...}; its other fields are copied to its output line")
+    dc.add_argument("--questions", required=True, metavar="JSON_OR_FILE",
+                    help='the questions asked about every state: {"id": {"type": "noul" | '
+                         '"choice" | "score", "criteria": ...}}, inline or a .json file')
+    dc.add_argument("--instructions", default=None,
+                    help="shared instructions (the system message of every read)")
+    dc.add_argument("--lora", action="append", metavar="NAME=DIR",
+                    help="a PEFT adapter directory, by name (repeatable; turns on "
+                         "--enable-lora)")
+    dc.add_argument("--state-lora", metavar="NAME", default=None,
+                    help='the adapter of the lines that name none ("lora")')
+    dc.add_argument("--out", metavar="FILE.jsonl", default=None,
+                    help="where the answers go, one line per state in input order (default: "
+                         "stdout)")
+    dc.add_argument("--no-progress", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(dc)
+    dc.set_defaults(func=_cmd_decide)
 
     d = sub.add_parser("demo", help="bit-identical outputs across batch sizes, per "
                                     "determinism level, on a real model (SmolLM2-135M-Instruct)")

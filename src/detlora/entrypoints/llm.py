@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from detlora.config import RequestOutputKind, SamplingParams
-from detlora.decisions import answer, parse_questions, plan_reads
+from detlora.decisions import DecisionRead, ReadPlanner, answer, parse_questions
 from detlora.engine.frozen_heap import frozen_heap
 from detlora.engine.llm_engine import LLMEngine
 from detlora.engine.model_files import resolve_model_files
 from detlora.engine.outputs import RequestOutput
 from detlora.engine.prompts import Prompt, parse_prompts, per_prompt
-from detlora.engine.tokenizer import Tokenizer
+from detlora.engine.tokenizer import Tokenizer, check_text
 from detlora.engine_args import EngineArgs
 from detlora.lora.request import LoRARequest
 
@@ -124,17 +124,33 @@ class LLM:
 
     # ---- generation ----
 
-    def _token_ids(self, p: Prompt, where: str,
-                   chat: Mapping[str, Any]) -> tuple[list[int], str | None]:
-        if p.token_ids is not None:
-            return list(p.token_ids), p.text
-        if self.tokenizer is None:
-            raise ValueError(f"{where} is text or chat, but the engine has no tokenizer: pass "
-                             "token ids")
-        if p.messages is not None:
-            return self.tokenizer.encode_chat(p.messages, **chat), None
-        assert p.text is not None
-        return self.tokenizer.encode(p.text), p.text
+    def _encode_all(self, parsed: Sequence[Prompt],
+                    chat: Mapping[str, Any]) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids (and its text, for a text prompt): token ids as they are,
+        text and rendered chats encoded together in one tokenizer call."""
+        out: list[tuple[list[int], str | None]] = [([], None)] * len(parsed)
+        texts: list[tuple[int, str]] = []
+        chats: list[tuple[int, str]] = []
+        for i, p in enumerate(parsed):
+            if p.token_ids is not None:
+                out[i] = (list(p.token_ids), p.text)
+                continue
+            if self.tokenizer is None:
+                raise ValueError(f"prompts[{i}] is text or chat, but the engine has no "
+                                 "tokenizer: pass token ids")
+            if p.messages is not None:
+                chats.append((i, self.tokenizer.render_chat(p.messages, **chat)))
+            else:
+                assert p.text is not None
+                check_text(p.text, f"prompts[{i}]")
+                texts.append((i, p.text))
+        for items, special in ((texts, True), (chats, False)):
+            if items:
+                ids = self.tokenizer.encode_many([t for _, t in items],
+                                                 add_special_tokens=special)
+                for (i, text), row in zip(items, ids, strict=True):
+                    out[i] = (row, text if special else None)
+        return out
 
     def generate(
         self,
@@ -157,19 +173,20 @@ class LLM:
         loras = per_prompt(lora_request, n, "lora_request",
                            lambda x: x is None or isinstance(x, LoRARequest))
         # Check every request before adding any, so a bad one leaves the engine untouched.
-        encoded = [self._token_ids(p, f"prompts[{i}]", chat) for i, p in enumerate(parsed)]
-        for (ids, _), sp, lr in zip(encoded, params, loras, strict=True):
-            self.engine.check_request(ids, sp, lr)
+        encoded = self._encode_all(parsed, chat)
+        self.engine.check_requests([(ids, sp, lr, None) for (ids, _), sp, lr
+                                    in zip(encoded, params, loras, strict=True)])
         # Completion 0 scores the prompt (prompt_logprobs) for all n of them; each request
-        # is reported once, when it finishes.
-        final = [sp if sp.output_kind is RequestOutputKind.FINAL_ONLY
-                 else dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-                 for sp in params]
+        # is reported once, when it finishes. Params shared by many prompts are copied once.
+        final = _per_object(params, lambda sp: sp if sp.output_kind is RequestOutputKind.FINAL_ONLY
+                            else dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+        later = _per_object(final, lambda sp: sp if sp.n == 1 or sp.prompt_logprobs is None
+                            else dataclasses.replace(sp, prompt_logprobs=None))
+        add = self.engine.add_request
         groups = [
-            [self.engine.add_request(
-                ids, sp if i == 0 else dataclasses.replace(sp, prompt_logprobs=None), lora=lr,
-                prompt=text, sample_index=i) for i in range(sp.n)]
-            for (ids, text), sp, lr in zip(encoded, final, loras, strict=True)
+            [add(ids, sp if i == 0 else sl, lora=lr, prompt=text, sample_index=i, checked=True)
+             for i in range(sp.n)]
+            for (ids, text), sp, sl, lr in zip(encoded, final, later, loras, strict=True)
         ]
         outs = self._run([s for g in groups for s in g], use_tqdm)
         if self._audit is not None:
@@ -226,47 +243,80 @@ class LLM:
     def decide(
         self,
         state: object,
-        questions: dict,
+        questions: dict | Sequence[dict],
         *,
         instructions: object = None,
-        lora_request: LoRARequest | None = None,
-    ) -> Decision:
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> Decision | list[Decision]:
         """Answer typed questions about ``state`` with probabilities (``detlora.decisions``):
         ``questions`` maps ids to {"type": "noul" | "choice" | "score", "criteria": ...,
         "instructions"?: ...}. One read per question, all questions in one batch (they share
-        the state's prefix pages); equal fingerprints give equal probabilities."""
-        reads = plan_reads(self.tokenizer, state, parse_questions(questions), instructions)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        for r in reads:
-            self.engine.check_request(r.prompt_token_ids, sp, lora_request, r.label_token_ids)
-        seqs = [self.engine.add_request(r.prompt_token_ids, sp, lora=lora_request,
-                                        label_token_ids=r.label_token_ids) for r in reads]
-        outs = self._run(seqs, use_tqdm=False)
-        if self._audit is not None:
-            entry = self._audit.entry(
-                "decide", _new_id("decide"), lora=lora_request,
-                adapter_hash=self._adapter_hash(lora_request),
-                fingerprint_value=outs[0].fingerprint,
-                prompts=[(r.prompt_token_ids, None) for r in reads], params=sp,
-                decision={"reads": reads, "state": state, "instructions": instructions})
-            for q, (r, seq, out) in enumerate(zip(reads, seqs, outs, strict=True)):
-                comp = out.outputs[0]
-                entry.choice(q, q, r.label_token_ids).fill(
-                    seq.sample_seed, comp.token_ids, comp.finish_reason, None,
-                    label_logprobs=out.label_logprobs)
-            entry.seal()
-        answers = {}
-        for r, out in zip(reads, outs, strict=True):
-            if out.outputs[0].finish_reason == "error":  # non-finite logits, a bad adapter
-                raise RuntimeError(f"question {r.question.id!r} could not be read: "
-                                   f"{out.outputs[0].error}")
-            assert out.label_logprobs is not None
-            answers[r.question.id] = answer(r, out.label_logprobs)
-        prompt_tokens = sum(len(r.prompt_token_ids) for r in reads)
-        cached = sum(o.num_cached_tokens for o in outs)
-        return Decision(answers=answers, prompt_tokens=prompt_tokens, cached_tokens=cached,
-                        fingerprint=outs[0].fingerprint)
+        the state's prefix pages); equal fingerprints give equal probabilities.
+
+        ``state`` a list: many states in one call, one ``Decision`` each, in order (a state
+        that is itself a JSON array goes in a list of one). ``questions`` (and
+        ``lora_request``) are then one for every state or a list with one per state; every
+        read of the call runs together, the instructions' and question template's shared
+        prefix pages computed once (prefix caching), with a progress bar (``use_tqdm``, on by
+        default for a list). A state's answers are the bits it gets alone."""
+        many = isinstance(state, list)
+        states = list(state) if many else [state]
+        if not states:
+            raise ValueError("decide got an empty list of states")
+        n = len(states)
+        qsets = _per_state(questions, n, "questions", lambda x: isinstance(x, dict))
+        loras = _per_state(lora_request, n, "lora_request",
+                           lambda x: x is None or isinstance(x, LoRARequest))
+        reads = self._plan_decisions(states, qsets, instructions)
+        add = self.engine.add_request
+        self.engine.check_requests([(r.prompt_token_ids, _READ, lr, r.label_token_ids)
+                                    for rs, lr in zip(reads, loras, strict=True) for r in rs])
+        seqs = [add(r.prompt_token_ids, _READ, lora=lr, label_token_ids=r.label_token_ids,
+                    checked=True) for rs, lr in zip(reads, loras, strict=True) for r in rs]
+        outs = self._run(seqs, use_tqdm=many if use_tqdm is None else use_tqdm,
+                         desc="Decisions (reads)")
+        if self._audit is not None:  # one line per state, as a call of its own would write
+            self._audit_decide(states, reads, loras, seqs, outs, instructions)
+        decisions, at = [], 0
+        for k, rs in enumerate(reads):
+            part = outs[at: at + len(rs)]
+            at += len(rs)
+            answers = {}
+            for r, out in zip(rs, part, strict=True):
+                if out.outputs[0].finish_reason == "error":  # non-finite logits, a bad adapter
+                    where = f"states[{k}] " if many else ""
+                    raise RuntimeError(f"{where}question {r.question.id!r} could not be read: "
+                                       f"{out.outputs[0].error}")
+                assert out.label_logprobs is not None
+                answers[r.question.id] = answer(r, out.label_logprobs)
+            decisions.append(Decision(
+                answers=answers, prompt_tokens=sum(len(r.prompt_token_ids) for r in rs),
+                cached_tokens=sum(o.num_cached_tokens for o in part),
+                fingerprint=part[0].fingerprint))
+        return decisions if many else decisions[0]
+
+    def _plan_decisions(self, states: list, qsets: list[dict],
+                        instructions: object) -> list[list[DecisionRead]]:
+        """Every state's reads; states sharing one questions object are planned together
+        (one template split and one tokenizer call for them all)."""
+        groups: dict[int, list[int]] = {}
+        for k, q in enumerate(qsets):
+            groups.setdefault(id(q), []).append(k)
+        reads: list[list[DecisionRead]] = [[] for _ in states]
+        for ks in groups.values():
+            planner = ReadPlanner.of(self.tokenizer, parse_questions(qsets[ks[0]]),
+                                     instructions)
+            sub = [states[k] for k in ks]
+            try:
+                planned = planner.plan(sub)
+            except ValueError as e:
+                if len(states) > 1 and len(ks) == 1:
+                    raise ValueError(f"states[{ks[0]}]: {e}") from None
+                raise
+            for k, rs in zip(ks, planned, strict=True):
+                reads[k] = rs
+        return reads
 
     def _adapter_hash(self, lora: LoRARequest | None) -> str | None:
         try:
@@ -296,9 +346,30 @@ class LLM:
                     out.prompt_logprobs)
             entry.seal()
 
-    def _run(self, seqs: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _audit_decide(self, states: list, reads: list[list[DecisionRead]],
+                      loras: list[LoRARequest | None], seqs: list, outs: list[RequestOutput],
+                      instructions: object) -> None:
+        assert self._audit is not None
+        at = 0
+        for state, rs, lr in zip(states, reads, loras, strict=True):
+            mine = list(zip(rs, seqs[at: at + len(rs)], outs[at: at + len(rs)], strict=True))
+            at += len(rs)
+            entry = self._audit.entry(
+                "decide", _new_id("decide"), lora=lr, adapter_hash=self._adapter_hash(lr),
+                fingerprint_value=mine[0][2].fingerprint,
+                prompts=[(r.prompt_token_ids, None) for r in rs], params=_READ,
+                decision={"reads": rs, "state": state, "instructions": instructions})
+            for q, (r, seq, out) in enumerate(mine):
+                comp = out.outputs[0]
+                entry.choice(q, q, r.label_token_ids).fill(
+                    seq.sample_seed, comp.token_ids, comp.finish_reason, None,
+                    label_logprobs=out.label_logprobs)
+            entry.seal()
+
+    def _run(self, seqs: list, use_tqdm: bool,
+             desc: str = "Processed prompts") -> list[RequestOutput]:
         engine = self.engine
-        bar = _Progress(seqs, enabled=use_tqdm)
+        bar = _Progress(seqs, enabled=use_tqdm, desc=desc)
         by_id: dict[str, RequestOutput] = {}
         try:
             with frozen_heap():  # collections in the loop skip what existed before it
@@ -322,13 +393,13 @@ class _Progress:
     tokens per second, refreshed after every step (tqdm, on stderr; off when stderr is not a
     terminal)."""
 
-    def __init__(self, seqs: list, *, enabled: bool) -> None:
+    def __init__(self, seqs: list, *, enabled: bool, desc: str = "Processed prompts") -> None:
         import sys
 
         from tqdm import tqdm
 
         self.seqs = seqs
-        self.bar = tqdm(total=len(seqs), desc="Processed prompts", unit="req",
+        self.bar = tqdm(total=len(seqs), desc=desc, unit="req",
                         disable=not (enabled and sys.stderr.isatty()), dynamic_ncols=True,
                         mininterval=0.2)
         self.started = self.shown = time.monotonic()
@@ -357,6 +428,39 @@ def _new_id(prefix: str) -> str:
     import uuid
 
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# A decision's read: the first reply position's label logprobs, no text.
+_READ = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                       output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _per_state(value: object, n: int, name: str, check: Any) -> list:
+    """``value`` for every state, or a list with one per state."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries but there are {n} states "
+                             "(give one, or one per state)")
+        items = list(value)
+    else:
+        items = [value] * n
+    for i, item in enumerate(items):
+        if not check(item):
+            raise ValueError(f"{name}[{i}] has the wrong type: {type(item).__name__}")
+    return items
+
+
+def _per_object(items: Sequence[Any], make: Any) -> list[Any]:
+    """``[make(x) for x in items]``, calling ``make`` once per distinct object: thousands of
+    prompts usually share one SamplingParams."""
+    made: dict[int, Any] = {}
+    out = []
+    for x in items:
+        y = made.get(id(x))
+        if y is None:
+            y = made[id(x)] = make(x)
+        out.append(y)
+    return out
 
 
 def _signature() -> inspect.Signature:

@@ -45,8 +45,11 @@ def _graphs(num_adapters=2, buckets=((8, 1), (16, 4))) -> StepGraphs:
 def test_buckets_cover_tokens_and_sequences_up_to_the_limits():
     assert step_graph_buckets(100, 2) == [(16, 1), (32, 1), (64, 1)]
     pairs = step_graph_buckets(8192, 256)
-    assert pairs[:3] == [(16, 1), (16, 4), (16, 16)] and pairs[-1] == (2048, 256)
-    assert len(pairs) == 39 and step_graph_buckets(8, 4) == []
+    assert pairs[:3] == [(16, 1), (16, 4), (16, 16)] and pairs[-3] == (2048, 256)
+    # Past 2048 tokens (hundreds of short prompts), the largest sequence bucket only.
+    assert pairs[-2:] == [(4096, 256), (8192, 256)]
+    assert len(pairs) == 41 and step_graph_buckets(8, 4) == []
+    assert step_graph_buckets(4096, 100)[-1] == (4096, 64)
     assert max(s for _, s in step_graph_buckets(8192, 100)) == 64  # never past max_num_seqs
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
@@ -41,14 +42,22 @@ from detlora.ops.adapter_groups import row_tile_room
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Up to 256 sequences, so that an arrival beside many running sequences still replays a graph.
 SEQ_BUCKETS = (1, 4, 16, 64, 128, 256)
+# Larger steps: hundreds of short prompts admitted at once (a 256-sequence step of 15-token
+# prompts holds 3,840 tokens), captured with the largest sequence bucket only (a step of few
+# long prompts pads with empty sequences, which cost a program each and no work).
+LARGE_TOKEN_BUCKETS = (4096, 8192)
 
 
 def step_graph_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
     """(token bucket, sequence bucket) pairs to capture, smallest first: tokens up to
-    ``max_num_batched_tokens`` (and 2048), sequences up to ``max_num_seqs`` (and 256)."""
+    ``max_num_batched_tokens`` (and 8192), sequences up to ``max_num_seqs`` (and 256); the
+    token buckets above 2048 with the largest sequence bucket only."""
     tokens = [t for t in TOKEN_BUCKETS if t <= max_num_batched_tokens]
     seqs = [s for s in SEQ_BUCKETS if s <= max_num_seqs]
-    return [(t, s) for t in tokens for s in seqs if s <= t]
+    buckets = [(t, s) for t in tokens for s in seqs if s <= t]
+    if seqs:
+        buckets += [(t, seqs[-1]) for t in LARGE_TOKEN_BUCKETS if t <= max_num_batched_tokens]
+    return buckets
 
 
 class StepGraphs:
@@ -158,16 +167,28 @@ class StepGraphs:
         pad = tb - t
         tmax = self.t_max
         h64, h32, tables = self._h64.numpy(), self._h32.numpy(), self._htables.numpy()
-        ids = step.input_ids
-        h64[0:tb] = [max(i, 0) for i in ids] + [0] * pad
-        h64[tmax: tmax + tb] = step.positions + [0] * pad
-        h64[2 * tmax: 2 * tmax + tb] = step.slot_mapping + [-1] * pad
-        h64[3 * tmax: 3 * tmax + tb] = [-1 - i if i < 0 else -1 for i in ids] + [-1] * pad
-        h64[4 * tmax: 4 * tmax + sb] = step.logits_indices + [0] * (sb - n)
+        # Whole rows at a time (numpy converts the lists in C): a step of thousands of
+        # prompt tokens costs no Python step per token.
+        ids = np.asarray(step.input_ids, dtype=np.int64)
+        np.maximum(ids, 0, out=h64[0:t])
+        h64[t:tb] = 0
+        h64[tmax: tmax + t] = step.positions
+        h64[tmax + t: tmax + tb] = 0
+        h64[2 * tmax: 2 * tmax + t] = step.slot_mapping
+        h64[2 * tmax + t: 2 * tmax + tb] = -1
+        fed = h64[3 * tmax: 3 * tmax + tb]
+        fed[:t] = np.where(ids < 0, -1 - ids, -1)
+        fed[t:] = -1
+        h64[4 * tmax: 4 * tmax + n] = step.logits_indices
+        h64[4 * tmax + n: 4 * tmax + sb] = 0
         lens_at = self._groups_at + 3 * self.max_groups
         qsl_at = lens_at + self.s_max + 1
-        h32[lens_at: lens_at + sb + 1] = step.seq_lens + [0] * (sb - s) + [pad]
-        h32[qsl_at: qsl_at + sb + 2] = step.query_start_loc + [t] * (sb - s) + [tb]
+        h32[lens_at: lens_at + s] = step.seq_lens
+        h32[lens_at + s: lens_at + sb] = 0
+        h32[lens_at + sb] = pad
+        h32[qsl_at: qsl_at + s + 1] = step.query_start_loc
+        h32[qsl_at + s + 1: qsl_at + sb + 1] = t
+        h32[qsl_at + sb + 1] = tb
         width = max(len(row) for row in step.block_tables)
         for i, row in enumerate(step.block_tables):
             tables[i, : len(row)] = row

@@ -99,9 +99,13 @@ def build_step_inputs(
             ids.extend(seq.token_ids[start : start + n])
             if fed is not None:
                 ids[rows] = -1 - fed
-            for p in range(start, start + n):
-                pos.append(p + off)
-                slots.append(table[p // block_size] * block_size + p % block_size)
+            end = start + n
+            pos.extend(range(start + off, end + off))
+            # Slots page by page (C-level ranges, not a Python step per token).
+            for page in range(start // block_size, (end - 1) // block_size + 1):
+                base = table[page] * block_size - page * block_size
+                slots.extend(range(base + max(start, page * block_size),
+                                   base + min(end, (page + 1) * block_size)))
             adapters.extend([slot] * n)
         tables.append(list(table))
         for g in range(groups):

@@ -98,12 +98,22 @@ class Scheduler:
         self.max_adapter_wait = max_adapter_wait
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._waiting_loras: dict[object, int] = {}  # adapter -> waiting sequences (> 0)
         self.num_preemptions = 0
         self.num_schedules = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._count_waiting(seq, 1)
+
+    def _count_waiting(self, seq: Sequence, delta: int) -> None:
+        if seq.lora is not None:
+            count = self._waiting_loras.get(seq.lora, 0) + delta
+            if count:
+                self._waiting_loras[seq.lora] = count
+            else:
+                del self._waiting_loras[seq.lora]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -112,6 +122,8 @@ class Scheduler:
         """The first ``limit`` distinct adapters of waiting sequences, in queue order, that no
         running sequence uses: the ones the next admissions will ask for."""
         seen = {s.lora for s in self.running}
+        if all(lora in seen for lora in self._waiting_loras):
+            return []  # every waiting request's adapter runs: no queue to walk
         out: list[object] = []
         for seq in self.waiting:
             if len(out) >= limit:
@@ -121,7 +133,11 @@ class Scheduler:
                 out.append(seq.lora)
         return out
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ending: set[int] | frozenset[int] = frozenset()) -> SchedulerOutput:
+        """The next step. ``ending``: ids (``id(seq)``) of running sequences that end when
+        the step in flight is read (they reach their length in it): left out of this one,
+        and their places count as free for admissions (the engine launches this step before
+        reading the one in flight)."""
         self.num_schedules += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -134,6 +150,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if ending and id(seq) in ending:
+                i += 1
+                continue
             pending = len(seq.token_ids) - seq.num_computed
             n = min(pending, budget)
             end = seq.num_computed + n
@@ -153,10 +172,10 @@ class Scheduler:
             i += 1
 
         if not preempted and self.waiting:
-            budget = self._admit(budget, scheduled)
+            budget = self._admit(budget, scheduled, len(ending))
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence], num_ending: int = 0) -> int:
         adapters = {s.lora for s in self.running if s.lora is not None}
         # Per running adapter, the most tokens any of its sequences may still produce: when
         # its slot frees at the latest.
@@ -166,7 +185,8 @@ class Scheduler:
                 drains[s.lora] = max(drains.get(s.lora, 0), _tokens_left(s))
         skipped: list[Sequence] = []
         overdue: Sequence | None = None  # the first request kept from a slot too long
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        limit = self.max_num_seqs + num_ending
+        while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             if self.position_offset is not None:
                 _set_offset(seq, self.position_offset(len(seq.token_ids)))
@@ -201,6 +221,7 @@ class Scheduler:
             if not self.blocks.can_admit(seq, cached, start + n):
                 break
             self.waiting.popleft()
+            self._count_waiting(seq, -1)
             seq.adapter_wait_since = None
             if lookup:
                 self.blocks.share(seq, cached)
@@ -238,6 +259,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        self._count_waiting(seq, 1)
         self.num_preemptions += 1
 
     def abort_all(self) -> None:
@@ -248,11 +270,13 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
         self.running.clear()
         self.waiting.clear()
+        self._waiting_loras.clear()
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished ``seq``, waiting or running; its computed pages stay cached."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._count_waiting(seq, -1)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
         elif seq.status is SequenceStatus.RUNNING:
