@@ -43,6 +43,10 @@
 #                     | architectures-gemma (Gemma 4 E4B, Gemma 3 1B / 4B: checks across the
 #                     window and the 32k-context TPOT; one shape per step:
 #                     architectures-gemma-e4b, -1b, -4b, each to its own JSON)
+#                     | small-models (SmolLM2 and the Qwen3-0.6B shape: TPOT per level, short
+#                     requests offline and through the server, demo first/second run; the
+#                     server's wheels from .whl/; $SMALL_MODELS_ARGS adds options, e.g.
+#                     --parts levels,offline or --serve-args "--api-server-count 2")
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
@@ -267,6 +271,10 @@ for step in "${steps[@]}"; do
              python3 -m benchmarks.suites.serving --out "$OUT/serving.json" || status=1 ;;
     audit) server_wheels
            python3 -m benchmarks.suites.audit --out "$OUT/audit.json" || status=1 ;;
+    # shellcheck disable=SC2086 # SMALL_MODELS_ARGS is a list of options
+    small-models) server_wheels
+                  python3 -m benchmarks.suites.small_models --out "$OUT/small_models.json" \
+                    ${SMALL_MODELS_ARGS:-} || status=1 ;;
     structured-tests) server_wheels
                       gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
                         || status=1 ;;

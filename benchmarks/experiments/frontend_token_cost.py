@@ -7,11 +7,15 @@ microseconds per streamed token and per request (from /proc) for each pass. With
 tokens (1 or 2) the per-request part (HTTP, validation, prompt, submission, the response's
 start) dominates. The bodies are the serving suite's (adapters as model names, logprobs, half
 of them seeded sampling); ``--route chat`` sends the same requests to /v1/chat/completions
-(one user message of the prompt's words). With ``--profile FILE`` the front end runs under
-cProfile and FILE gets its statistics (``python -m pstats FILE``).
+(one user message of the prompt's words); ``--route decisions`` sends /v1/decisions requests
+instead (one noul question about a state of 60 words, adapter a0, as the serving suite's),
+whose front-end work is the question's chat template and tokenizing the state. With
+``--profile FILE`` the front end runs under cProfile, timed by its main thread's CPU clock
+(``benchmarks.harness.cpu_profile``), and FILE gets its statistics (``python -m pstats FILE``).
 
     PYTHONPATH=src python -m benchmarks.experiments.frontend_token_cost OUT.json \
-        [--concurrency 64] [--requests 256] [--output-tokens 48] [--route completion|chat] \
+        [--concurrency 64] [--requests 256] [--output-tokens 48] \
+        [--route completion|chat|decisions] \
         [--profile FILE]
 """
 
@@ -44,8 +48,8 @@ def _profiled_server(profile: str) -> None:
     real = subprocess.Popen
 
     def popen(cmd: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:
-        if "serve" in cmd:
-            cmd = [cmd[0], "-m", "cProfile", "-o", profile, *cmd[1:]]
+        if "serve" in cmd:  # by the event loop's CPU time, not the wall
+            cmd = [cmd[0], "-m", "benchmarks.harness.cpu_profile", profile, *cmd[1:]]
         return real(cmd, *args, **kwargs)
 
     serving.subprocess.Popen = popen  # type: ignore[attr-defined]
@@ -109,8 +113,20 @@ def _run_chat(url: str, bodies: list[dict[str, Any]], concurrency: int,
     return ok
 
 
+def decision_bodies(vocab: int, n: int, words: int = 60) -> list[dict[str, Any]]:
+    """n /v1/decisions bodies: one noul question about a distinct state of ``words`` words
+    of the tiny tokenizer (``w<id>``), adapter a0."""
+    import random
+
+    rng = random.Random(7)
+    return [{"model": "a0", "state": " ".join(f"w{rng.randrange(20, vocab - 1)}"
+                                              for _ in range(words)),
+             "questions": {"toxic": {"type": "noul", "criteria": "Is this comment toxic?"}}}
+            for _ in range(n)]
+
+
 def run(concurrency: int, requests: int, profile: str | None, output_tokens: int = OUTPUT_TOKENS,
-        route: str = "completion") -> dict[str, Any]:
+        route: str = "completion", stub: bool = False, clients: int = 2) -> dict[str, Any]:
     plan = replace(serving.Plan.smoke(), prompt_len=16, output_len=output_tokens)
     shape = plan.shape()
     if profile:
@@ -120,40 +136,51 @@ def run(concurrency: int, requests: int, profile: str | None, output_tokens: int
         root = Path(tmp)
         serving.write_assets(root, shape)
         pool = serving.requests_pool(plan, shape.vocab, requests)
-        url, proc = serving.start_server(root, plan, root / "server.log")
+        url, proc = serving.start_server(root, plan, root / "server.log", stub_model=stub)
         try:
             warm = [LoadRequest("completion", {**b, "max_tokens": 4}) for b in pool[:concurrency]]
-            run_load_processes(url, warm, concurrency=concurrency, processes=2,
+            run_load_processes(url, warm, concurrency=concurrency, processes=clients,
                                api_key=serving.KEY)
             for rep in range(2):
                 before, t0 = serving.server_cpu(proc), time.perf_counter()
-                clients: list[float] = []
+                client_cpu: list[float] = []
                 if route == "chat":
-                    ok = _run_chat(url, [_chat_body(b) for b in pool], concurrency, clients)
+                    ok = _run_chat(url, [_chat_body(b) for b in pool], concurrency, client_cpu)
+                elif route == "decisions":
+                    res = run_load_processes(
+                        url, [LoadRequest("decision", b)
+                              for b in decision_bodies(shape.vocab, requests)],
+                        concurrency=concurrency, processes=clients, api_key=serving.KEY,
+                        deadline_s=600, client_cpu=client_cpu)
+                    ok = sum(r.ok for r in res)
                 else:
                     res = run_load_processes(url, [LoadRequest("completion", b) for b in pool],
-                                             concurrency=concurrency, processes=2,
+                                             concurrency=concurrency, processes=clients,
                                              api_key=serving.KEY, deadline_s=600,
-                                             client_cpu=clients)
+                                             client_cpu=client_cpu)
                     ok = sum(r.ok for r in res)
                 wall, after = time.perf_counter() - t0, serving.server_cpu(proc)
-                tokens = ok * output_tokens
+                tokens = ok * (1 if route == "decisions" else output_tokens)
                 frontend = after["frontend"] - before["frontend"]
                 rows.append({
                     "pass": rep, "ok": ok, "wall_s": round(wall, 2),
                     "output_tok_per_s": round(tokens / wall),
+                    "requests_per_s": round(ok / wall, 1),
                     "frontend_us_per_request": round(1e6 * frontend / max(ok, 1), 1),
                     "frontend_us_per_token": round(1e6 * frontend / max(tokens, 1), 1),
                     "engine_us_per_token": round(
                         1e6 * (after["engine"] - before["engine"]) / max(tokens, 1), 1),
-                    "client_us_per_token": round(1e6 * sum(clients) * wall / max(tokens, 1),
+                    "engine_us_per_request": round(
+                        1e6 * (after["engine"] - before["engine"]) / max(ok, 1), 1),
+                    "client_us_per_token": round(1e6 * sum(client_cpu) * wall / max(tokens, 1),
                                                  1)})
                 print(rows[-1], flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
     return {"concurrency": concurrency, "requests": requests, "output_tokens": output_tokens,
-            "route": route, "uvloop": importlib.util.find_spec("uvloop") is not None,
+            "route": route, "stub_model": stub,
+            "uvloop": importlib.util.find_spec("uvloop") is not None,
             "httptools": importlib.util.find_spec("httptools") is not None, "rows": rows}
 
 
@@ -163,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
-    p.add_argument("--route", choices=("completion", "chat"), default="completion")
+    p.add_argument("--route", choices=("completion", "chat", "decisions"), default="completion")
     p.add_argument("--profile", default=None, metavar="FILE")
+    p.add_argument("--stub-model", action="store_true",
+                   help="the engine's model computes nothing (benchmarks.harness.stub_model): "
+                        "the server at the speed of its host code")
+    p.add_argument("--clients", type=int, default=2, help="client processes (default: 2)")
     args = p.parse_args(argv)
-    result = run(args.concurrency, args.requests, args.profile, args.output_tokens, args.route)
+    result = run(args.concurrency, args.requests, args.profile, args.output_tokens, args.route,
+                 args.stub_model, args.clients)
     command = " ".join(["python -m benchmarks.experiments.frontend_token_cost", *sys.argv[1:]])
     write_results(args.out, {"meta": results_meta(command), **result})
     return 0

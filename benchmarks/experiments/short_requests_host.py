@@ -6,12 +6,9 @@ is Python: tokenizing, checks, the sequence, scheduling and pages, the step's in
 staging, the sampler's host part, reading the token back, the output object. This measures
 that on the CPU: ``LLM.generate`` of N one-token prompts in one call (``one_token``) and
 ``LLM.decide`` over N states (``decide``), with the engine's CUDA graphs replaced by stubs
-(``engine_host_step``'s idea): the decode and step graphs stage every input as on the GPU
-(pinned-buffer twins, here on the CPU) but their replay does nothing and their outputs are
-fixed logits with their greedy head; a step that no graph holds runs the model's stubbed
-forward (fixed logits: on the GPU such a step launches hundreds of kernels, ~30 ms of host
-time for a 28-layer model, counted here as ``eager_steps``). The sampler's device work still
-runs (torch on the CPU, small tensors). The engine runs ahead as with CUDA graphs.
+(``benchmarks.harness.stub_model``): the decode and step graphs stage every input as on the
+GPU but replay nothing; a step that no graph holds runs a stubbed forward (on the GPU it
+launches hundreds of kernels, ~30 ms of host time for a 28-layer model: ``eager_steps``).
 
 Models: ``tiny`` (the demo's random model and word-level tokenizer) or ``smollm2`` (the
 embedded SmolLM2-135M-Instruct: its real tokenizer and chat template, its weights loaded but
@@ -39,59 +36,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.stub_model import stub_model
+
 TOP = 45
 WORDS = ["the", "user", "asks", "a", "question", "and", "assistant", "answers", "it", "with",
          "care", "small", "models", "are", "quick", "to", "build", "run", "on", "laptop",
          "every", "token", "is", "chosen", "from", "logits"]
-
-
-class _NoReplay:
-    """A captured graph that computes nothing: its outputs stay the fixed ones."""
-
-    def replay(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-def stub_graphs(engine: Any) -> dict[str, int]:
-    """Give ``engine``'s runner decode and step graphs whose replay does nothing, and a model
-    whose eager forward returns fixed logits (counted); the engine runs ahead as with CUDA
-    graphs. Returns the counter of eager steps (``{"eager_steps": n}``, updated in place)."""
-    from detlora.engine.runner.step_graphs import StepGraphs
-
-    runner, spec, c = engine.runner, engine.spec, engine.config
-    graphs, step_graphs = runner.build_graphs(c.max_num_seqs, c.max_num_batched_tokens)
-    g = torch.Generator().manual_seed(0)
-    rows = max(graphs.buckets[-1], c.max_num_batched_tokens)
-    logits = torch.randn(rows, spec.vocab_size, generator=g).to(engine.dtype)
-    head = engine.sampler.greedy_head(logits)
-    for key in graphs.graph_keys():
-        graphs.graphs[key] = _NoReplay()
-        graphs.outputs[key] = (logits[:key[0]], head[:key[0]])
-    runner.graphs = graphs
-    if isinstance(step_graphs, StepGraphs):
-        for tb, sb in step_graphs.buckets:
-            step_graphs.graphs[(tb, sb)] = _NoReplay()
-            step_graphs.outputs[(tb, sb)] = (logits[:sb], head[:sb])
-        runner.step_graphs = step_graphs
-    counter = {"eager_steps": 0}
-    model = engine.model
-    hidden = torch.zeros(rows, spec.hidden_size, dtype=engine.dtype)
-
-    def forward(batch: Any, upcast: bool = True) -> torch.Tensor:
-        counter["eager_steps"] += 1
-        return logits[: batch.logits_indices.numel()]
-
-    def hidden_states(batch: Any) -> torch.Tensor:
-        counter["eager_steps"] += 1
-        return hidden[: batch.input_ids.numel()]
-
-    model.forward = forward  # an instance attribute: nn.Module.__call__ finds it
-    model.hidden_states = hidden_states
-    engine.run_ahead = True
-    return counter
 
 
 def prompts(n: int, seed: int = 1234) -> list[str]:
@@ -147,7 +97,7 @@ def _profile_rows(prof: cProfile.Profile, key: str) -> list[str]:
 def measure(llm: Any, workload: str, n: int, lora: Any, repeats: int,
             profile: bool) -> dict[str, Any]:
     engine = llm.engine
-    counter = stub_graphs(engine)
+    counter = stub_model(engine)
     run = _call(llm, workload, n, lora)
     run()  # warm-up: tokenizer caches, the adapter in its slot
     best_wall = best_cpu = float("inf")

@@ -58,8 +58,10 @@ class _TimedConn:
 
     def recv(self) -> Any:
         msg = self._conn.recv()
-        if msg[0] == "add":
-            self._trace.add({"kind": "add", "t": time.monotonic(), "rid": msg[1].request_id})
+        now = time.monotonic()
+        for m in msg[1] if msg[0] == "batch" else (msg,):  # a front end's batch of messages
+            if m[0] == "add":
+                self._trace.add({"kind": "add", "t": now, "rid": m[1].request_id})
         return msg
 
     def send(self, obj: Any) -> None:

@@ -197,6 +197,31 @@ def _is_audit(d: dict) -> bool:
     return "serving" in d and "verify" in d
 
 
+def small_models(d: dict) -> Headline:
+    """Requests a second offline and through the server, TPOT batch_invariant / fast, outputs
+    differing from each alone, the demo's runs."""
+    out: Headline = {}
+    for row in d.get("offline", []):
+        out[f"{row['model']}_{row['workload']}_per_s"] = _r(row["per_s"], 1)
+    for row in d.get("server", []):
+        key = f"{row['model']}_server_{row['workload']}_c{row['concurrency']}"
+        out[key] = _r(row["vs_offline"] if row.get("vs_offline") is not None
+                      else row["per_s"], 3)
+    tpot = {(r["model"], r["level"], r["batch"]): r["tpot_ms"] for r in d.get("levels", [])}
+    for (model, level, batch), ms in tpot.items():
+        fast = tpot.get((model, "fast", batch))
+        if level == "batch_invariant" and fast:
+            out[f"{model}_bi_over_fast_b{batch}"] = _r(ms / fast)
+    out["differing"] = sum(r.get("differing", 0) for r in d.get("server", []))
+    for row in d.get("demo", []):
+        out[f"demo_run{row['run']}_s"] = row["seconds"]
+    return out
+
+
+def _is_small_models(d: dict) -> bool:
+    return "offline" in d and "levels" in d and "demo" in d
+
+
 def _is_multi_lora(d: dict) -> bool:
     return "traffic" in d and "slot_cost" in d
 
@@ -251,6 +276,7 @@ def _is_architectures(d: dict) -> bool:
 
 LAYOUTS: tuple[tuple[Callable[[dict], bool], Callable[[dict], Headline]], ...] = (
     (_is_study, study),
+    (_is_small_models, small_models),
     (_is_multi_lora, multi_lora),
     (_is_engine, engine),
     (_is_lora_kernels, lora_kernels),

@@ -227,12 +227,14 @@ def _free_port() -> int:
 
 
 def start_server(root: Path, plan: Plan, log: Path, compile_log: Path | None = None,
-                 engine_trace: Path | None = None,
+                 engine_trace: Path | None = None, stub_model: bool = False,
                  extra_args: tuple[str, ...] = ()) -> tuple[str, subprocess.Popen]:
     """``detlora serve`` on the plan's assets; with ``compile_log`` its processes append their
     Triton compilations there (``benchmarks.harness.compile_events``), with ``engine_trace``
     its engine process writes its loop's timeline there at exit
-    (``benchmarks.harness.engine_trace``); ``extra_args`` go to ``serve`` as they are."""
+    (``benchmarks.harness.engine_trace``), with ``stub_model`` its engine's model computes
+    nothing (``benchmarks.harness.stub_model``: the host's work alone); ``extra_args`` go to
+    ``detlora serve``."""
     import httpx
 
     port = _free_port()
@@ -246,13 +248,15 @@ def start_server(root: Path, plan: Plan, log: Path, compile_log: Path | None = N
            str(a["max_num_seqs"]), "--max-queued-requests", "4096", "--log-level", "warning",
            *extra_args]
     env = dict(os.environ)
-    if compile_log is not None or engine_trace is not None:
+    if compile_log is not None or engine_trace is not None or stub_model:
         repo = Path(__file__).resolve().parents[2]
         hooks = repo / "benchmarks" / "harness" / "sitecustomize"
         if compile_log is not None:
             env[compile_events.ENV] = str(compile_log)
         if engine_trace is not None:
             env["DETLORA_ENGINE_TRACE"] = str(engine_trace)
+        if stub_model:
+            env["DETLORA_STUB_MODEL"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(
             [str(hooks), str(repo), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)

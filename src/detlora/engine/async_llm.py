@@ -278,6 +278,7 @@ class AsyncLLM:
         self._idle_since: float | None = None  # and the one going on (monotonic), if any
         self._idle_read = 0.0
         self._decoded: dict[int, str] = {}  # decode([id]) per id, for the streams' detokenizers
+        self._outbox: list[tuple] | None = None  # messages of this loop turn, not yet written
 
     def _decode_one(self, token_id: int) -> str:
         """``tokenizer.decode([token_id])``, remembered per id (at most the vocabulary)."""
@@ -346,10 +347,23 @@ class AsyncLLM:
             os.fdopen(from_engine, "rb", buffering=0))
 
     def _send(self, msg: tuple) -> None:
-        """Queue a message to the engine process (never blocks: the transport buffers)."""
-        if self._to_engine is not None and not self._to_engine.is_closing():
-            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-            self._to_engine.write(struct.pack("!i", len(data)) + data)
+        """Queue a message to the engine process (never blocks: the transport buffers).
+        Messages queued in one turn of the event loop (a wave of arrivals, each request's
+        engine requests) travel as one ``("batch", [...])`` message, pickled and written once
+        when the loop gets to it, and the engine process takes them all before its next
+        step; their order is kept."""
+        if self._outbox is None:
+            self._outbox = []
+            self._loop.call_soon(self._flush)
+        self._outbox.append(msg)
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, None
+        if not batch or self._to_engine is None or self._to_engine.is_closing():
+            return
+        msg = batch[0] if len(batch) == 1 else ("batch", batch)
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._to_engine.write(struct.pack("!i", len(data)) + data)
 
     # ---- requests ----
 

@@ -8,6 +8,8 @@ front end's process, so the step loop never waits for Python work on the serving
 GIL of one process would serialise both). Messages are pickled tuples over two pipes:
 
 front end -> core
+    ("batch", [message, ...]) the messages a front end queued in one turn of its event loop,
+                              handled in order
     ("add", AddRequest)       a request; the core answers with (its id, the monotonic time
                               it took it, the sampling seed it runs with) in ``accepted``,
                               or with its id in ``rejected`` (with the ValueError's
@@ -136,7 +138,10 @@ class EngineCore:
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
-        if kind == "add":
+        if kind == "batch":
+            for m in msg[1]:
+                self._handle(m)
+        elif kind == "add":
             req: AddRequest = msg[1]
             try:
                 seq = self.engine.add_request(

@@ -144,11 +144,20 @@ def build_app(llm: AsyncLLM, models: ServingModels, config: ServerConfig,
             await models.remove(req.lora_name)
             return JSONResponse({"status": "ok", "lora_name": req.lora_name})
 
-    # The two generation routes stay FastAPI's too (their other methods get its 405), but
-    # their POSTs are answered by DirectRoutes, without FastAPI's per-request layers.
+    async def decide_direct(req: DecisionsRequest, request: Request) -> Response:
+        return await decisions.decide(req, request, systemone=False)
+
+    async def systemone_direct(req: SystemOneRequest, request: Request) -> Response:
+        return await decisions.decide(req, request, systemone=True)
+
+    # The generation and decision routes stay FastAPI's too (their other methods get its
+    # 405), but their POSTs are answered by DirectRoutes, without FastAPI's per-request
+    # layers.
     asgi: Any = DirectRoutes(app, {
         "/v1/completions": DirectRoute(CompletionRequest, completions.create),
         "/v1/chat/completions": DirectRoute(ChatCompletionRequest, chat.create),
+        "/v1/decisions": DirectRoute(DecisionsRequest, decide_direct),
+        "/v1/systemone": DirectRoute(SystemOneRequest, systemone_direct),
     }, max_body_bytes=config.max_request_bytes)
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
