@@ -279,6 +279,8 @@ class AsyncLLM:
         self._idle_read = 0.0
         self._decoded: dict[int, str] = {}  # decode([id]) per id, for the streams' detokenizers
         self._outbox: list[tuple] | None = None  # messages of this loop turn, not yet written
+        # start(front_ends > 1): the other front ends' pipe descriptors, to hand over.
+        self.other_front_ends: list[tuple[int, int]] = []
 
     def _decode_one(self, token_id: int) -> str:
         """``tokenizer.decode([token_id])``, remembered per id (at most the vocabulary)."""
@@ -291,9 +293,13 @@ class AsyncLLM:
     @classmethod
     async def start(cls, config: EngineArgs, *, tokenizer_dir: str | None = None,
                     max_unfinished: int | None = None,
-                    torch_threads: int | None = None) -> AsyncLLM:
+                    torch_threads: int | None = None, front_ends: int = 1) -> AsyncLLM:
         """Spawn the engine process and wait until its engine is built (ValueError with the
-        engine's message when it cannot be)."""
+        engine's message when it cannot be). ``front_ends`` > 1: the engine also serves
+        that many minus one other front-end processes, each through its own pipes, whose
+        descriptors (to the engine, from the engine) are in ``other_front_ends`` for the
+        caller to hand to them (``attach``); they are closed in this process by
+        ``release_front_end_fds``."""
         # A Hub id or a .gguf file: a local model directory first, as LLM() does.
         files = resolve_model_files(config)
         config = files.args
@@ -303,19 +309,25 @@ class AsyncLLM:
             tokenizer = Tokenizer(tok_dir, mode=config.tokenizer_mode,
                                   trust_remote_code=config.trust_remote_code)
         # A fresh interpreter running core_proc (not multiprocessing's spawn, which would
-        # import the caller's __main__ again), with two pipes handed over by descriptor.
-        child_in, in_send_fd = os.pipe()
-        out_recv_fd, child_out = os.pipe()
+        # import the caller's __main__ again), with two pipes per front end handed over by
+        # descriptor.
+        child_fds: list[int] = []
+        ours: list[tuple[int, int]] = []  # (to the engine, from the engine) per front end
+        for _ in range(front_ends):
+            child_in, to_engine = os.pipe()
+            from_engine, child_out = os.pipe()
+            child_fds += [child_in, child_out]
+            ours.append((to_engine, from_engine))
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # this detlora, not another install
         env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x)
         process = subprocess.Popen(
-            [sys.executable, "-m", "detlora.engine.core_proc", str(child_in), str(child_out)],
-            pass_fds=(child_in, child_out), env=env, stdin=subprocess.DEVNULL)
-        os.close(child_in)
-        os.close(child_out)
-        in_send = Connection(in_send_fd, readable=False)
-        out_recv = Connection(out_recv_fd, writable=False)
+            [sys.executable, "-m", "detlora.engine.core_proc", *map(str, child_fds)],
+            pass_fds=tuple(child_fds), env=env, stdin=subprocess.DEVNULL)
+        for fd in child_fds:
+            os.close(fd)
+        in_send = Connection(ours[0][0], readable=False)
+        out_recv = Connection(ours[0][1], writable=False)
         try:
             in_send.send((config, tok_dir if tokenizer is not None else None, torch_threads))
             msg = await asyncio.to_thread(_recv_or_none, out_recv)
@@ -327,15 +339,54 @@ class AsyncLLM:
             reason = msg[1] if msg is not None else "the engine process exited"
             in_send.close()
             out_recv.close()
+            for fds in ours[1:]:
+                for fd in fds:
+                    os.close(fd)
             raise ValueError(f"the engine could not start: {reason}")
         info: EngineInfo = msg[1]
         limit = max_unfinished if max_unfinished is not None else 4 * info.max_num_seqs
         llm = cls(config, tokenizer, info, process, limit)
+        llm.other_front_ends = ours[1:]
         # The loop takes the pipes over from the start-up's blocking connections.
         to_engine, from_engine = os.dup(in_send.fileno()), os.dup(out_recv.fileno())
         in_send.close()
         out_recv.close()
         await llm._open_pipes(to_engine, from_engine)
+        return llm
+
+    def release_front_end_fds(self) -> None:
+        """Close this process's copies of the other front ends' pipes (once they have them)."""
+        for fds in self.other_front_ends:
+            for fd in fds:
+                os.close(fd)
+        self.other_front_ends = []
+
+    @classmethod
+    async def attach(cls, config: EngineArgs, to_engine: int, from_engine: int, *,
+                     tokenizer_dir: str | None = None,
+                     max_unfinished: int | None = None) -> AsyncLLM:
+        """A further front end over an engine process another one started (``start`` with
+        ``front_ends`` > 1), through the pipe descriptors it was handed. It does not own the
+        engine: ``shutdown`` leaves the engine running."""
+        files = resolve_model_files(config)
+        config = files.args
+        tok_dir = tokenizer_dir or files.tokenizer_dir
+        tokenizer = None
+        if tok_dir is not None and has_tokenizer(tok_dir):
+            tokenizer = Tokenizer(tok_dir, mode=config.tokenizer_mode,
+                                  trust_remote_code=config.trust_remote_code)
+        out_recv = Connection(os.dup(from_engine), writable=False)
+        msg = await asyncio.to_thread(_recv_or_none, out_recv)
+        if msg is None or msg[0] != "ready":
+            out_recv.close()
+            reason = msg[1] if msg is not None else "the engine process exited"
+            raise ValueError(f"the engine could not start: {reason}")
+        info: EngineInfo = msg[1]
+        limit = max_unfinished if max_unfinished is not None else 4 * info.max_num_seqs
+        llm = cls(config, tokenizer, info, None, limit)
+        from_fd = os.dup(out_recv.fileno())
+        out_recv.close()
+        await llm._open_pipes(os.dup(to_engine), from_fd)
         return llm
 
     async def _open_pipes(self, to_engine: int, from_engine: int) -> None:
@@ -504,7 +555,18 @@ class AsyncLLM:
     # ---- shutdown ----
 
     async def shutdown(self, drain: bool = False, timeout: float = 30.0) -> None:
-        """Stop the engine process (``drain``: after the requests it runs finish)."""
+        """Stop the engine process (``drain``: after the requests it runs finish); a front
+        end that ``attach``-ed only lets go of its pipes (its unfinished requests are
+        aborted by the engine)."""
+        if self._process is None:  # attached: the engine is another front end's
+            await asyncio.sleep(0)  # what is queued for the engine leaves first
+            self._dead = self._dead or "this front end was shut down"
+            for transport in (self._to_engine, self._from_engine):
+                if transport is not None:
+                    transport.close()
+            for stream in list(self._streams.values()):
+                stream._fail(EngineDeadError(self._dead))
+            return
         if self._dead is None:
             self._send(("shutdown", drain))
         try:

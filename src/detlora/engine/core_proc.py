@@ -7,6 +7,12 @@ logprobs, and the finish reason once it ends. Tokenizing, detokenizing and HTTP 
 front end's process, so the step loop never waits for Python work on the serving side (the
 GIL of one process would serialise both). Messages are pickled tuples over two pipes:
 
+A server may run several front-end processes over one core (``--api-server-count``): each
+has its own two pipes; the core takes every front end's messages, answers each on its own
+pipe (its requests' deltas, their admission, its calls' results; the stats to all), and keys
+a request by its front end and its id. Only the first front end may stop the core; another
+that goes away has its requests aborted.
+
 front end -> core
     ("batch", [message, ...]) the messages a front end queued in one turn of its event loop,
                               handled in order
@@ -37,8 +43,9 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from detlora.config import SamplingParams
@@ -112,10 +119,21 @@ class EngineCore:
     """The loop around one engine; ``run`` returns when told to shut down or the front end's
     pipe closes."""
 
-    def __init__(self, engine: Any, conn_in: Connection, conn_out: Connection) -> None:
+    def __init__(self, engine: Any, conn_in: Connection, conn_out: Connection,
+                 more: Sequence[tuple[Connection, Connection]] = ()) -> None:
+        """``conn_in``/``conn_out``: the first front end's pipes; ``more``: (in, out) of each
+        further front end."""
         self.engine = engine
         self.conn_in = conn_in
         self.conn_out = conn_out
+        self._ins: list[Connection | None] = [conn_in, *(i for i, _ in more)]
+        self._outs: list[Connection | None] = [conn_out, *(o for _, o in more)]
+        self._origin = 0  # the front end whose message is being handled
+        # Engine id -> (front end, its id) of the unfinished requests of front ends after
+        # the first.
+        self._owner: dict[str, tuple[int, str]] = {}
+        self._accepted_by: dict[int, list[tuple[str, float, int]]] = {}
+        self._rejected_by: dict[int, list[tuple[str, str]]] = {}
         self._accepted: list[tuple[str, float, int]] = []
         self._rejected: list[tuple[str, str]] = []
         self._last_stats: EngineStats | None = None
@@ -136,6 +154,11 @@ class EngineCore:
             num_preemptions=e.scheduler.num_preemptions, num_aborted=self._num_aborted,
             lora={} if e.lora_stats is None else e.lora_stats.as_dict())
 
+    def _engine_id(self, request_id: str) -> str:
+        """The engine's id of a front end's request: its own id for the first front end,
+        prefixed by the front end's number for the others (their ids may coincide)."""
+        return request_id if self._origin == 0 else f"{self._origin}:{request_id}"
+
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "batch":
@@ -143,32 +166,83 @@ class EngineCore:
                 self._handle(m)
         elif kind == "add":
             req: AddRequest = msg[1]
+            accepted = self._accepted if self._origin == 0 else \
+                self._accepted_by.setdefault(self._origin, [])
+            rejected = self._rejected if self._origin == 0 else \
+                self._rejected_by.setdefault(self._origin, [])
+            engine_id = self._engine_id(req.request_id)
             try:
                 seq = self.engine.add_request(
-                    req.prompt_token_ids, req.params, lora=req.lora, request_id=req.request_id,
+                    req.prompt_token_ids, req.params, lora=req.lora, request_id=engine_id,
                     sample_index=req.sample_index, label_token_ids=req.label_token_ids)
             except ValueError as e:
-                self._rejected.append((req.request_id, str(e)))
+                rejected.append((req.request_id, str(e)))
             else:  # CLOCK_MONOTONIC is the host's: the front end compares it to its own
-                self._accepted.append((req.request_id, time.monotonic(), seq.sample_seed))
+                accepted.append((req.request_id, time.monotonic(), seq.sample_seed))
+                if self._origin:
+                    self._owner[engine_id] = (self._origin, req.request_id)
         elif kind == "abort":
-            ids = set(msg[1])
+            ids = {self._engine_id(rid) for rid in msg[1]}
+            for rid in ids:
+                self._owner.pop(rid, None)
             sched = self.engine.scheduler
             self._num_aborted += sum(s.request_id in ids for s in [*sched.waiting,
                                                                     *sched.running])
             self.engine.abort_request(list(ids))
         elif kind == "call":
             _, call_id, name, args = msg
+            out = self._outs[self._origin]
+            assert out is not None
             try:
                 value = getattr(self, f"call_{name}")(*args)
             except Exception as e:  # reported to the caller, never fatal to the loop
-                self.conn_out.send(("result", call_id, False, str(e) or type(e).__name__))
+                out.send(("result", call_id, False, str(e) or type(e).__name__))
             else:
-                self.conn_out.send(("result", call_id, True, value))
+                out.send(("result", call_id, True, value))
         elif kind == "shutdown":
-            self._stop, self._drain = True, bool(msg[1])
+            if self._origin == 0:  # the other front ends go away without stopping the core
+                self._stop, self._drain = True, bool(msg[1])
         else:  # pragma: no cover - a front end bug
             raise ValueError(f"unknown message {kind!r}")
+
+    def _front_end_gone(self, k: int) -> None:
+        """Front end ``k`` (not the first) closed its pipes: drop its unfinished requests."""
+        self._ins[k] = self._outs[k] = None
+        self._accepted_by.pop(k, None)
+        self._rejected_by.pop(k, None)
+        mine = [rid for rid, (owner, _) in self._owner.items() if owner == k]
+        for rid in mine:
+            del self._owner[rid]
+        sched = self.engine.scheduler
+        mine = [s.request_id for s in [*sched.waiting, *sched.running] if s.request_id in mine]
+        if mine:
+            self._num_aborted += len(mine)
+            self.engine.abort_request(mine)
+
+    def _receive(self, timeout: float) -> bool:
+        """Take the messages every front end sent; False when the first one is gone."""
+        if len(self._ins) == 1:  # one front end: its pipe alone
+            try:
+                while self.conn_in.poll(timeout):
+                    self._handle(self.conn_in.recv())
+                    timeout = 0.0
+            except (EOFError, OSError):
+                return False
+            return True
+        conns = [c for c in self._ins if c is not None]
+        for conn in wait(conns, timeout):
+            k = self._ins.index(conn)
+            self._origin = k
+            try:
+                while conn.poll(0):
+                    self._handle(conn.recv())
+            except (EOFError, OSError):
+                if k == 0:
+                    return False
+                self._front_end_gone(k)
+            finally:
+                self._origin = 0
+        return True
 
     # ---- calls ----
 
@@ -198,13 +272,8 @@ class EngineCore:
         engine = self.engine
         while True:
             busy = engine.has_unfinished()
-            try:
-                timeout = 0.0 if busy else 1.0
-                while self.conn_in.poll(timeout):
-                    self._handle(self.conn_in.recv())
-                    timeout = 0.0
-            except (EOFError, OSError):
-                return  # the front end is gone
+            if not self._receive(0.0 if busy else 1.0):
+                return  # the (first) front end is gone
             if self._idle_since is not None and (engine.has_unfinished() or self._stop):
                 self._idle_seconds += time.monotonic() - self._idle_since
                 self._idle_since = None
@@ -218,12 +287,17 @@ class EngineCore:
                 try:
                     deltas = [_delta(seq) for seq in engine.step_sequences()]
                 except Exception as e:  # a bug: drop what runs, keep serving
-                    self.conn_out.send(("crashed", _describe(e)))
+                    for out in self._outs:
+                        if out is not None:
+                            out.send(("crashed", _describe(e)))
                     engine.abort_all()
+                    self._owner.clear()
                 seconds = time.perf_counter() - start
             if self._idle_since is None and not engine.has_unfinished():
                 self._idle_since = time.monotonic()  # nothing left: the wait starts now
             stats = self.stats()
+            if len(self._outs) > 1:
+                deltas = self._send_to_others(deltas, stats, seconds)
             if deltas or self._accepted or self._rejected or stats != self._last_stats \
                     or seconds is not None or self._idle_since != self._sent_idle_since:
                 # A send blocks while the pipe is full: the front end reads late.
@@ -239,6 +313,40 @@ class EngineCore:
                 self._accepted, self._rejected, self._last_stats = [], [], stats
 
 
+    def _send_to_others(self, deltas: list[Delta], stats: EngineStats,
+                        seconds: float | None) -> list[Delta]:
+        """Send the front ends after the first their step message (their requests' deltas,
+        under their own ids, their admissions, the stats and the step's time); the first
+        front end's deltas are returned."""
+        mine: list[Delta] = []
+        theirs: dict[int, list[Delta]] = {}
+        owner = self._owner
+        for d in deltas:
+            who = owner.get(d[0])
+            if who is None:
+                mine.append(d)
+                continue
+            theirs.setdefault(who[0], []).append((who[1], *d[1:]))
+            if d[3] is not None:  # finished
+                del owner[d[0]]
+        changed = stats != self._last_stats
+        for k in range(1, len(self._outs)):
+            out = self._outs[k]
+            if out is None:
+                continue
+            ds = theirs.get(k, [])
+            accepted = self._accepted_by.pop(k, [])
+            rejected = self._rejected_by.pop(k, [])
+            if not (ds or accepted or rejected or changed or seconds is not None):
+                continue
+            try:
+                out.send(("step", ds, accepted, rejected, stats, seconds, None, 0.0,
+                          self._idle_since, time.monotonic()))
+            except OSError:
+                self._front_end_gone(k)
+        return mine
+
+
 def _describe(e: BaseException) -> str:
     """One line for the log: the exception and where it was raised (no full trace)."""
     frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
@@ -247,8 +355,10 @@ def _describe(e: BaseException) -> str:
 
 
 def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArgs,
-                    tokenizer_dir: str | None, torch_threads: int | None = None) -> None:
-    """Process entry point: build the engine, say ready (or why not), run the loop."""
+                    tokenizer_dir: str | None, torch_threads: int | None = None,
+                    more: Sequence[tuple[Connection, Connection]] = ()) -> None:
+    """Process entry point: build the engine, say ready (or why not) to every front end
+    (``more``: the pipes of those after the first), run the loop."""
     try:
         import torch
 
@@ -273,29 +383,34 @@ def run_engine_core(conn_in: Connection, conn_out: Connection, config: EngineArg
             determinism=Determinism(engine.determinism).value,
             fingerprint_parts=engine.fingerprint_parts)
     except Exception as e:  # e.g. a bad model directory: the front end reports it
-        conn_out.send(("failed", f"{type(e).__name__}: {e}"))
+        for out in (conn_out, *(o for _, o in more)):
+            out.send(("failed", f"{type(e).__name__}: {e}"))
         return
     freeze_heap_for_good()  # full collections over the engine's objects stop pausing the loop
-    conn_out.send(("ready", info))
-    EngineCore(engine, conn_in, conn_out).run()
+    for out in (conn_out, *(o for _, o in more)):
+        out.send(("ready", info))
+    EngineCore(engine, conn_in, conn_out, more).run()
 
 
 def main(argv: list[str]) -> None:
-    """``python -m detlora.engine.core_proc FD_IN FD_OUT``: the pipes' descriptors; the first
-    message on FD_IN is (EngineArgs, tokenizer dir, torch threads)."""
+    """``python -m detlora.engine.core_proc FD_IN FD_OUT [FD_IN FD_OUT ...]``: the pipes'
+    descriptors, a pair per front end; the first message on the first FD_IN is (EngineArgs,
+    tokenizer dir, torch threads)."""
     import signal
 
     # A terminal's Ctrl-C or a SIGTERM to the group reaches this process too: the front end
     # decides when it stops (after its in-flight requests), or its pipe closing does.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn_in = Connection(int(argv[0]), writable=False)
-    conn_out = Connection(int(argv[1]), readable=False)
+    pairs = [(Connection(int(argv[i]), writable=False), Connection(int(argv[i + 1]),
+                                                                   readable=False))
+             for i in range(0, len(argv), 2)]
+    conn_in, conn_out = pairs[0]
     try:
         config, tokenizer_dir, torch_threads = conn_in.recv()
     except (EOFError, OSError):
         return
-    run_engine_core(conn_in, conn_out, config, tokenizer_dir, torch_threads)
+    run_engine_core(conn_in, conn_out, config, tokenizer_dir, torch_threads, pairs[1:])
 
 
 if __name__ == "__main__":

@@ -198,10 +198,18 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
     shut down gracefully."""
     import uvicorn
 
+    from detlora.entrypoints.openai.front_ends import (
+        spawn_front_ends,
+        stop_front_ends,
+        unfinished_share,
+    )
+
     llm = await AsyncLLM.start(
         engine_config, tokenizer_dir=tokenizer_dir,
-        max_unfinished=engine_config.max_num_seqs + config.max_queued_requests)
+        max_unfinished=unfinished_share(engine_config, config),
+        front_ends=config.api_server_count)
     audit = None
+    others: list[Any] = []
     try:
         if config.audit_log is not None:
             from detlora.audit.writer import AuditConfig
@@ -213,6 +221,9 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
                 fingerprint_parts=llm.info.fingerprint_parts, writer="detlora serve")
             logger.info("audit log: %s%s", config.audit_log,
                         " (hashes only)" if config.audit_log_hash_only else "")
+        # Further front ends (--api-server-count) serve the same socket over this engine.
+        others = await asyncio.to_thread(spawn_front_ends, llm, engine_config, config, sock,
+                                         tokenizer_dir)
         models = ServingModels(llm, config.served_model_name, lora_root=config.lora_root,
                                enable_loading=config.enable_lora_loading)
         for name, path in config.lora_modules:
@@ -231,6 +242,8 @@ async def serve(engine_config: EngineArgs, config: ServerConfig, sock: socket.so
         gc.freeze()
         await uv.serve(sockets=[sock])
     finally:
+        if others:  # their requests finish first, on the engine that is still up
+            await asyncio.to_thread(stop_front_ends, others, config.graceful_timeout + 10)
         await llm.shutdown(drain=False)
         if audit is not None:  # what the last requests left in its queue, then synced
             audit.close()

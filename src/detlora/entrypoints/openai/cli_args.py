@@ -46,6 +46,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="front-end processes (HTTP, templates, tokenizing) over the one engine "
+                        "process, all on the same port (default: 1)")
     a = p.add_argument_group("audit log (detlora verify replays it)")
     a.add_argument("--audit-log", metavar="DIR", default=None,
                    help="append one JSON line per finished request or decision to files in "
@@ -101,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_questions=args.max_questions, cors_origins=tuple(args.allowed_origins),
             graceful_timeout=args.graceful_timeout, log_level=args.log_level,
             audit_log=args.audit_log, audit_log_hash_only=args.audit_log_hash_only,
-            audit_log_max_bytes=max(1, int(args.audit_log_max_mb * (1 << 20))))
+            audit_log_max_bytes=max(1, int(args.audit_log_max_mb * (1 << 20))),
+            api_server_count=args.api_server_count)
         from detlora.entrypoints.openai.api_server import run_server
 
         return run_server(engine, server, tokenizer_dir=args.tokenizer)

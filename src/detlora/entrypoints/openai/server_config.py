@@ -39,6 +39,7 @@ class ServerConfig:
     audit_log: str | None = None
     audit_log_hash_only: bool = False
     audit_log_max_bytes: int = 256 << 20
+    api_server_count: int = 1  # front-end processes over the one engine (front_ends.py)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_request_bytes", "max_n", "max_logprobs",
@@ -53,6 +54,18 @@ class ServerConfig:
         if self.enable_lora_loading and not self.lora_root:
             raise ValueError("runtime adapter loading needs --lora-root: adapters load only "
                              "from under it")
+        if isinstance(self.api_server_count, bool) or not isinstance(self.api_server_count,
+                                                                     int) \
+                or not 1 <= self.api_server_count <= 64:
+            raise ValueError(f"api_server_count must be an int in [1, 64], got "
+                             f"{self.api_server_count!r}")
+        if self.api_server_count > 1 and self.audit_log is not None:
+            raise ValueError("the audit log needs one front end (--api-server-count 1): it is "
+                             "written by the process that answers")
+        if self.api_server_count > 1 and self.enable_lora_loading:
+            raise ValueError("runtime adapter loading needs one front end "
+                             "(--api-server-count 1): an adapter loaded through one front end "
+                             "would be unknown to the others")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
         if self.audit_log_hash_only and self.audit_log is None:
