@@ -12,7 +12,7 @@
 #                     three parts)
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
-#                     study-tests multi-lora-tests robust-tests
+#                     study-tests multi-lora-tests robust-tests short-requests-tests
 #                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
 #                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
 #                     gemma-tests (sliding-window / head_dim 512 kernels, Gemma engines)
@@ -143,6 +143,7 @@ for step in "${steps[@]}"; do
     tests-engine) gpu_tests gpu_tests_engine.log 45 tests/gpu/test_engine_gpu.py \
                     tests/gpu/test_models_gpu.py tests/gpu/test_sampling_gpu.py \
                     tests/gpu/test_demo_gpu.py tests/gpu/test_multi_lora_gpu.py \
+                    tests/gpu/test_short_requests_gpu.py \
                     --durations=15 || status=1 ;;
     tests-rest) server_wheels  # the files neither half above runs (the server's wheels first)
                 gpu_tests gpu_tests_rest.log 45 tests/gpu/test_robust_gpu.py \
@@ -156,6 +157,8 @@ for step in "${steps[@]}"; do
                        || status=1 ;;
     matmul-tests) gpu_tests matmul_gpu_tests.log 15 tests/gpu/test_matmul_gpu.py || status=1 ;;
     engine-tests) gpu_tests engine_gpu_tests.log 25 tests/gpu/test_engine_gpu.py || status=1 ;;
+    short-requests-tests) gpu_tests gpu_tests_short_requests.log 25 \
+                            tests/gpu/test_short_requests_gpu.py || status=1 ;;
     sampling-tests) gpu_tests gpu_tests_sampling.log 25 tests/gpu/test_sampling_gpu.py \
                       || status=1 ;;
     penalty-engine-tests) gpu_tests gpu_tests_penalties.log 25 tests/gpu/test_engine_gpu.py \

@@ -29,8 +29,10 @@ Parts (``--parts``, all by default):
     or logprobs differ from the offline reference (each checked against the same request
     alone), bit for bit. Short requests go through ``benchmarks.harness.fast_client`` (a
     keep-alive HTTP client cheap enough for thousands of requests a second); streams through
-    ``serving_load``. The clients' and the server processes' CPU shares are in
-    ``meta.server_diagnostics``.
+    ``serving_load``. The server is measured with 1 and 4 front-end processes
+    (``--api-server-count``); each row is the better one, its ``differing`` counted over
+    both, and every measurement (with the clients' and the server processes' CPU shares) is
+    in ``meta.server_diagnostics``.
 ``demo``
     ``detlora demo`` twice, the first time with an empty Triton cache directory
     (``TRITON_CACHE_DIR``), the second with the one the first filled: first-run and
@@ -94,6 +96,10 @@ class Plan:
     long_tokens: int = 150
     long_concurrency: int = 64
     client_processes: int = 8
+    # Front-end processes (serve --api-server-count) the server is measured with; each row
+    # is the best of them (the others in meta.server_diagnostics).
+    api_server_counts: tuple[int, ...] = (1, 4)
+    reference_counts: tuple[int, ...] = (1,)
     tiny: bool = False
     serve_args: tuple[str, ...] = ()
 
@@ -102,7 +108,8 @@ class Plan:
         return cls(requests=48, prompt_tokens=8, alone_checks=4, batches=(1, 4),
                    tpot_tokens=6, tpot_prompt=6, trials=1, decisions=((8, 24), (16, 32)),
                    one_token=((8, 24),), long_requests=8, long_prompt=12, long_tokens=6,
-                   long_concurrency=4, client_processes=2, tiny=True)
+                   long_concurrency=4, client_processes=2, api_server_counts=(1, 2),
+                   tiny=True)
 
 
 @dataclass
@@ -378,7 +385,8 @@ def long_refs(llm: Any, a: Assets, plan: Plan, w: Work, lora: Any, refs: Referen
 # ------------------------------------------------------------------------------ server
 
 
-def start_server(a: Assets, plan: Plan, log_file: Path) -> tuple[str, subprocess.Popen]:
+def start_server(a: Assets, plan: Plan, log_file: Path,
+                 count: int = 1) -> tuple[str, subprocess.Popen]:
     import httpx
 
     from benchmarks.suites.serving import _free_port
@@ -387,7 +395,7 @@ def start_server(a: Assets, plan: Plan, log_file: Path) -> tuple[str, subprocess
     cmd = [sys.executable, "-m", "detlora.entrypoints.cli", "serve", str(a.model_dir),
            "--port", str(port), "--api-key", KEY, "--lora-modules", f"a={a.adapter}",
            "--max-lora-rank", str(a.rank), "--max-queued-requests", "8192",
-           "--log-level", "warning", *plan.serve_args]
+           "--log-level", "warning", "--api-server-count", str(count), *plan.serve_args]
     if a.max_model_len is not None:
         cmd += ["--max-model-len", str(a.max_model_len)]
     if plan.tiny:
@@ -417,6 +425,31 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def server_cpu(proc: subprocess.Popen) -> dict[str, float | None]:
+    """CPU seconds so far of the server's front ends (the first and those it started) and of
+    its engine process (Linux /proc)."""
+    from benchmarks.suites.serving import _children, _cpu_seconds
+
+    front, engine = _cpu_seconds(proc.pid), 0.0
+    for kid in _children(proc.pid):
+        try:
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        seconds = _cpu_seconds(kid) or 0.0
+        if b"core_proc" in cmdline:
+            engine += seconds
+        elif front is not None:
+            front += seconds
+    return {"frontend": front, "engine": engine}
+
+
+def _busy(before: dict, after: dict, wall: float) -> dict[str, float | None]:
+    """Cores kept busy over ``wall`` seconds (1.0: one core all the time)."""
+    return {f"{k}_cpu": None if before[k] is None or after[k] is None else
+            round((after[k] - before[k]) / wall, 3) for k in before}
+
+
 def _wall(results: list[Any]) -> float:
     return max(r.end for r in results) - min(r.start for r in results)
 
@@ -427,12 +460,11 @@ def _completion_chosen(choice: dict) -> tuple[list[int], list[float]]:
 
 
 def server_part(url: str, proc: subprocess.Popen, a: Assets, plan: Plan, w: Work,
-                refs: References, workloads: tuple[str, ...],
-                log: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
+                refs: References, workloads: tuple[str, ...], log: Callable[[str], None],
+                count: int = 1) -> tuple[list[dict], list[dict]]:
     """The server's rows and diagnostics (CPU shares of its processes and of the clients)."""
     from benchmarks.harness.fast_client import run_posts
     from benchmarks.harness.serving_load import LoadRequest, run_load_processes
-    from benchmarks.suites.serving import _busy, server_cpu
 
     rows, notes = [], []
 
@@ -470,10 +502,13 @@ def server_part(url: str, proc: subprocess.Popen, a: Assets, plan: Plan, w: Work
             row["vs_offline"] = round(row["tok_s"] / refs.long_tok_s, 3)
         rows.append(row)
         notes.append({"model": a.name, "workload": workload, "concurrency": concurrency,
-                      "requests": len(results), "failed": len(results) - len(ok),
+                      "api_server_count": count, "per_s": row["per_s"], "tok_s": row["tok_s"],
+                      "differing": differing, "requests": len(results),
+                      "failed": len(results) - len(ok),
                       "client_cpu": [round(c, 3) for c in clients], **busy,
                       "errors": [r.error for r in results if not r.ok][:3]})
-        log(f"{a.name} server {workload} c={concurrency}: {json.dumps(row)} {notes[-1]}")
+        log(f"{a.name} server ({count} front ends) {workload} c={concurrency}: "
+            f"{json.dumps(row)} {notes[-1]}")
 
     procs = plan.client_processes
 
@@ -520,6 +555,24 @@ def server_part(url: str, proc: subprocess.Popen, a: Assets, plan: Plan, w: Work
                 lambda r: _completion_chosen(r.body["choices"][0]) == refs.long[r.index],
                 lambda r: len(r.body["choices"][0]["token_ids"]))
     return rows, notes
+
+
+def best_of(measured: list[list[dict]]) -> list[dict]:
+    """Per (workload, concurrency), the row of the front-end count that served most (tok/s
+    for the long requests, requests/s otherwise), its ``differing`` the sum over every count
+    measured (every point is checked)."""
+    best: dict[tuple, dict] = {}
+    differing: dict[tuple, int] = {}
+    for rows in measured:
+        for row in rows:
+            key = (row["model"], row["workload"], row["concurrency"])
+            differing[key] = differing.get(key, 0) + row["differing"]
+            score = row["tok_s"] if row["tok_s"] is not None else row["per_s"]
+            kept = best.get(key)
+            if kept is None or score > (kept["tok_s"] if kept["tok_s"] is not None
+                                        else kept["per_s"]):
+                best[key] = row
+    return [{**row, "differing": differing[key]} for key, row in best.items()]
 
 
 # ------------------------------------------------------------------------------ demo
@@ -608,15 +661,22 @@ def run(plan: Plan, parts: tuple[str, ...], log: Callable[[str], None] = print) 
                 timed_part("levels", time.perf_counter() - t0)
             if need_refs:
                 t0 = time.perf_counter()
-                url, proc = start_server(a, plan, root / f"server-{name}.log")
-                try:
-                    workloads = (("decisions", "one_token", "stream_150", "plain_150")
-                                 if name == plan.serve_model else ("stream_150",))
-                    rows, notes = server_part(url, proc, a, plan, w, refs, workloads, log)
-                    out["server"] += rows
-                    meta["server_diagnostics"] += notes
-                finally:
-                    stop_server(proc)
+                workloads = (("decisions", "one_token", "stream_150", "plain_150")
+                             if name == plan.serve_model else ("stream_150",))
+                counts = plan.api_server_counts if name == plan.serve_model \
+                    else plan.reference_counts
+                measured = []
+                for count in counts:
+                    url, proc = start_server(a, plan, root / f"server-{name}-{count}.log",
+                                             count)
+                    try:
+                        rows, notes = server_part(url, proc, a, plan, w, refs, workloads, log,
+                                                  count)
+                        measured.append(rows)
+                        meta["server_diagnostics"] += notes
+                    finally:
+                        stop_server(proc)
+                out["server"] += best_of(measured)
                 timed_part("server", time.perf_counter() - t0)
         if "demo" in parts:
             t0 = time.perf_counter()

@@ -28,7 +28,11 @@ from detlora.engine.runner.graph_capture import (
     describe_capture_failure,
     gc_paused,
 )
-from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
+from detlora.engine.runner.step_graphs import (
+    LARGE_TOKEN_BUCKETS,
+    StepGraphs,
+    step_graph_buckets,
+)
 from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
 from detlora.ops.adapter_groups import group_tokens
@@ -106,14 +110,17 @@ class ModelRunner:
             kv_groups=self.kv_groups,
         )
         buckets = step_graph_buckets(max_num_batched_tokens, max_num_seqs)
-        step_graphs = StepGraphs(
+        return graphs, self._step_graphs(graphs, buckets)
+
+    def _step_graphs(self, graphs: DecodeGraphs,
+                     buckets: list[tuple[int, int]]) -> StepGraphs | None:
+        return StepGraphs(
             self._decode_forward, device=self.device, feed=graphs.feed, buckets=buckets,
             block_size=self.block_size,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             max_model_len=self.max_model_len, num_adapters=self.num_adapters,
             kv_groups=self.kv_groups,
         ) if buckets else None
-        return graphs, step_graphs
 
     def _capture(self, max_num_seqs: int, max_num_batched_tokens: int, *,
                  progress: bool = False) -> None:
@@ -128,6 +135,14 @@ class ModelRunner:
                     step_graphs.capture(graphs.pool, bar.update)
         except Exception as e:  # a kernel that syncs the host cannot be captured
             self.graph_error = describe_capture_failure(e)
+            if step_graphs is not None and graphs.graphs.keys() >= set(graphs.graph_keys()):
+                # The decode graphs stand; the step graphs' largest buckets may not fit the
+                # memory left (their activations): the buckets up to 2048 tokens instead.
+                step_graphs.close()
+                small = [b for b in step_graphs.buckets if b[0] not in LARGE_TOKEN_BUCKETS]
+                self.graphs = graphs
+                self.step_graphs = self._retry_step_graphs(graphs, small, progress)
+                return
             warnings.warn(
                 f"CUDA-graph capture failed, steps run eagerly ({self.graph_error})",
                 RuntimeWarning, stacklevel=3,
@@ -136,6 +151,29 @@ class ModelRunner:
             return
         self.graphs = graphs
         self.step_graphs = step_graphs
+
+    def _retry_step_graphs(self, graphs: DecodeGraphs, buckets: list[tuple[int, int]],
+                           progress: bool) -> StepGraphs | None:
+        """Step graphs of ``buckets`` after a failed capture of more; None (those steps run
+        eagerly) when none are left or these fail too."""
+        torch.cuda.synchronize(self.device)
+        step_graphs = self._step_graphs(graphs, buckets)
+        if step_graphs is not None:
+            try:
+                with torch.inference_mode(), gc_paused(), \
+                        capture_progress(len(buckets), enabled=progress) as bar:
+                    step_graphs.capture(graphs.pool, bar.update)
+            except Exception as e:
+                self.graph_error = describe_capture_failure(e)
+                step_graphs.close()
+                step_graphs = None
+        warnings.warn(
+            f"CUDA-graph capture of the step graphs failed ({self.graph_error}); "
+            + (f"steps up to {step_graphs.t_max} tokens replay graphs, larger ones run "
+               "eagerly" if step_graphs is not None else "prefill and mixed steps run eagerly"),
+            RuntimeWarning, stacklevel=4)
+        torch.cuda.synchronize(self.device)
+        return step_graphs
 
     def warm_eager_steps(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Run the steps of ``eager_warmup_steps`` once, so that the eager path's kernel
