@@ -49,7 +49,7 @@ def _front_ends(pid: int) -> int:
         try:
             stat = (cmdline.parent / "stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid and \
-                    b"openai.front_ends" in cmdline.read_bytes():
+                    b"openai.front_end_proc" in cmdline.read_bytes():
                 n += 1
         except (OSError, ValueError, IndexError):
             continue
