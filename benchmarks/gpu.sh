@@ -46,7 +46,8 @@
 #                     | small-models (SmolLM2 and the Qwen3-0.6B shape: TPOT per level, short
 #                     requests offline and through the server, demo first/second run; the
 #                     server's wheels from .whl/; $SMALL_MODELS_ARGS adds options, e.g.
-#                     --parts levels,offline or --serve-args "--api-server-count 2")
+#                     --parts levels,offline or --serve-args "..."); or in two calls,
+#                     small-models-demo then small-models-rest (one small_models.json)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
@@ -278,6 +279,15 @@ for step in "${steps[@]}"; do
     small-models) server_wheels
                   python3 -m benchmarks.suites.small_models --out "$OUT/small_models.json" \
                     ${SMALL_MODELS_ARGS:-} || status=1 ;;
+    # The same file in two device calls: the demo's two runs (a cold Triton cache first),
+    # then the rest, each keeping the other's rows.
+    small-models-demo) python3 -m benchmarks.suites.small_models --parts demo \
+                         --keep-from "$OUT/small_models.json" \
+                         --out "$OUT/small_models.json" || status=1 ;;
+    small-models-rest) server_wheels
+                       python3 -m benchmarks.suites.small_models \
+                         --parts levels,offline,server --keep-from "$OUT/small_models.json" \
+                         --out "$OUT/small_models.json" || status=1 ;;
     structured-tests) server_wheels
                       gpu_tests gpu_tests_structured.log 15 tests/gpu/test_structured_gpu.py \
                         || status=1 ;;

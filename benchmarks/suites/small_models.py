@@ -686,6 +686,34 @@ def run(plan: Plan, parts: tuple[str, ...], log: Callable[[str], None] = print) 
     return {"meta": meta, **out}
 
 
+# Each part's rows, and the meta keys it writes.
+PART_ROWS = {"levels": ("levels", ()), "offline": ("offline", ("offline_alone_differing",)),
+             "server": ("server", ("server_diagnostics",)),
+             "demo": ("demo", ("demo_exit_codes", "demo_command"))}
+
+
+def keep_parts(earlier: dict, result: dict, parts: tuple[str, ...]) -> dict:
+    """``result`` with the rows (and meta) of the parts it did not run taken from
+    ``earlier``; ``meta.kept_from`` names that run's commit and command."""
+    out = dict(result)
+    meta = dict(result["meta"])
+    kept = []
+    for part, (rows, keys) in PART_ROWS.items():
+        if part in parts or not earlier.get(rows):
+            continue
+        out[rows] = earlier[rows]
+        for key in keys:
+            if key in earlier.get("meta", {}):
+                meta[key] = earlier["meta"][key]
+        kept.append(part)
+    if kept:
+        old = earlier.get("meta", {})
+        meta["kept_from"] = {"parts": kept, "commit": old.get("commit"),
+                             "command": old.get("command"), "date": old.get("date")}
+    out["meta"] = meta
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/small_models.json")
@@ -699,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra options for detlora serve (e.g. '--api-server-count 2')")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models: the whole script on a CPU (its figures mean nothing)")
+    p.add_argument("--keep-from", metavar="FILE", default=None,
+                   help="take the rows of the parts not run from this earlier results file "
+                        "(a run split over several device calls)")
     args = p.parse_args(argv)
     parts = tuple(x for x in args.parts.split(",") if x)
     unknown = sorted(set(parts) - set(PARTS))
@@ -722,7 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(plan, parts)
     command = " ".join(["python -m benchmarks.suites.small_models", *sys.argv[1:]])
     result["meta"] = {**results_meta(command), **result["meta"],
-                      "seconds": round(time.time() - t0, 1)}
+                      "seconds": round(time.time() - t0, 1), "parts": list(parts)}
+    if args.keep_from and Path(args.keep_from).is_file():
+        result = keep_parts(json.loads(Path(args.keep_from).read_text()), result, parts)
     write_results(args.out, result)
     return 0
 
