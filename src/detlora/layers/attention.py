@@ -1,6 +1,6 @@
 """Self-attention over a paged KV cache: fused q/k/v projection, optional per-head q/k
-RMSNorm (Qwen3, Gemma) and weightless V norm (Gemma 4), rotary, KV write into the pages,
-paged attention (full causal or a sliding window), output projection.
+RMSNorm (Qwen3, Gemma) and weightless V norm (Gemma 4), rotary (or none: Nemotron-H), KV
+write into the pages, paged attention (full causal or a sliding window), output projection.
 
 A layer that reads an earlier layer's K/V (Gemma 4's KV-shared layers, ``has_kv=False``)
 projects only q and attends over the pages bound to it, the producer's. ``kv_group`` names
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         *,
         backend: OpBackend,
         bias: bool = False,
@@ -144,7 +144,8 @@ class Attention(nn.Module):
             # the k it needs (its rotation is dropped).
             q, _ = self.backend.rotary(q, q[:, :1], positions, self.rotary.cos_sin)
             return self._attend(q, attn, lora)
-        if pending is not None and self.q_norm is None and self.v_norm is None:
+        if pending is not None and self.q_norm is None and self.v_norm is None \
+                and self.rotary is not None:
             # The q|k|v expand fused into rotary and the KV write: one launch, the same bits.
             q = self.backend.expand_rotate_and_write_kv(
                 qkv, pending.shrink_out, pending.lora_b, lora, pending.slice_offsets, positions,
@@ -165,6 +166,9 @@ class Attention(nn.Module):
         if self.v_norm is not None:
             v = self.v_norm(v.reshape(-1, self.head_dim)).view(t, self.num_kv_heads,
                                                                self.head_dim)
+        if self.rotary is None:  # no position embedding: k and v go into the pages as they are
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+            return self._attend(q.contiguous(), attn, lora)
         # Reads strided rows; q comes back contiguous, k and v go into the pages.
         q = self.rotary.rotate_and_write_kv(q, k, v, positions, self.k_cache, self.v_cache,
                                             attn.slot_mapping)

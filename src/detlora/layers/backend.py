@@ -104,6 +104,13 @@ class OpBackend:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
     gelu_tanh_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     softcap: Callable[[torch.Tensor, float], torch.Tensor] | None = None
+    # State-space (Mamba-2) layers and Nemotron-H's MLP, with their references' signatures:
+    # causal_conv1d (ops/mamba_conv.py), mamba_chunk_scan (ops/mamba_ssd.py), gated_rms_norm
+    # (ops/gated_rms_norm.py), relu_squared (ops/relu_squared.py).
+    causal_conv1d: Callable[..., torch.Tensor] | None = None
+    mamba_chunk_scan: Callable[..., torch.Tensor] | None = None
+    gated_rms_norm: Callable[..., torch.Tensor] | None = None
+    relu_squared: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def lora_in_gemm(self) -> bool:
@@ -213,6 +220,10 @@ _OPS: dict[str, tuple[str, str, str]] = {
     "gelu_tanh_and_mul": ("gelu_and_mul", "gelu_tanh_and_mul_ref", "gelu_tanh_and_mul"),
     "gelu_tanh_mul": ("gelu_and_mul", "gelu_tanh_mul_ref", "gelu_tanh_mul"),
     "softcap": ("softcap", "softcap_ref", "softcap"),
+    "causal_conv1d": ("mamba_conv", "causal_conv1d_ref", "causal_conv1d"),
+    "mamba_chunk_scan": ("mamba_ssd", "mamba_chunk_scan_ref", "mamba_chunk_scan"),
+    "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm_ref", "gated_rms_norm"),
+    "relu_squared": ("relu_squared", "relu_squared_ref", "relu_squared"),
 }
 
 # How each CUDA level implements each op:
@@ -233,7 +244,7 @@ _POLICY: dict[Determinism, dict[str, str]] = {
     Determinism.BATCH_INVARIANT: {
         **dict.fromkeys(_OPS, "kernel"),
         **dict.fromkeys(("embedding", "rotary", "silu_and_mul", "write_kv", "gelu_tanh_and_mul",
-                         "gelu_tanh_mul", "softcap"), "any"),
+                         "gelu_tanh_mul", "softcap", "relu_squared"), "any"),
     },
 }
 # Kernels whose range checks sync the host: the engine guarantees ids < vocab and positions

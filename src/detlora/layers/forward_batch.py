@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from detlora.ops.adapter_groups import AdapterGroups
+from detlora.ops.chunk_plan import ChunkPlan
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,22 @@ class LoRABatch:
 
 
 @dataclass(frozen=True)
+class MambaMetadata:
+    """What state-space (Mamba-2) layers read besides the tokens: each sequence's state slot
+    and the step's chunks on the fixed chunk grid (``layers/mamba_metadata.py`` builds it)."""
+
+    state_slots: torch.Tensor  # int32 [B]: each sequence's slot in the state cache
+    seq_start: torch.Tensor  # int32 [B]: position of each sequence's first row in this step
+    query_start_loc: torch.Tensor  # int32 [B + 1]: as AttentionMetadata's
+    token_seq: torch.Tensor  # int32 [T]: each row's sequence index
+    plan: ChunkPlan  # the (sequence, chunk) items of the step
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]: rows of T whose next-token logits are wanted
     lora: LoRABatch | None = None
+    mamba: MambaMetadata | None = None  # hybrid models only

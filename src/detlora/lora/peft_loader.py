@@ -1,10 +1,10 @@
 """Read a PEFT LoRA adapter directory and check it against the base model.
 
 Supported: ``adapter_config.json`` + ``adapter_model.safetensors``; targets among q/k/v/o and
-gate/up/down projections (any subset, any layers: untargeted modules get no update), and
-the fused modules of models whose HF layout fuses them (Phi-3's qkv_proj, gate_up_proj: one A
-and one B spanning the slices, returned as one module per slice with B's rows split and A
-shared, which computes the same update);
+gate/up/down projections (any subset, any layers: untargeted modules get no update), the
+Mamba-2 in_proj/out_proj of hybrid models, and the fused modules of models whose HF layout
+fuses them (Phi-3's qkv_proj, gate_up_proj: one A and one B spanning the slices, returned as
+one module per slice with B's rows split and A shared, which computes the same update);
 ``lora_alpha / r`` scaling, or ``lora_alpha / sqrt(r)`` with ``use_rslora``; per-module
 ranks and alphas through ``rank_pattern`` / ``alpha_pattern``; ``layers_to_transform`` and
 ``layers_pattern`` (patterns matched as PEFT matches them, at a bounded cost:
@@ -36,7 +36,7 @@ from detlora.models.finite_weights import check_finite
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                     "qkv_proj", "gate_up_proj",
+                     "qkv_proj", "gate_up_proj", "in_proj", "out_proj",
                      # Gemma 4's per-layer-embedding linears (models/gemma4.py)
                      "per_layer_input_gate", "per_layer_projection",
                      "per_layer_model_projection")
@@ -86,6 +86,8 @@ def load_peft_adapter(
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight "
                              "(DoRA magnitudes, embeddings or biases are not supported)")
         module, ab = m["module"], m["ab"]
+        if module.startswith("backbone."):  # NemotronH's own spelling of the stack
+            module = "model." + module[len("backbone."):]
         if module not in target_shapes and f"model.{module}" in target_shapes:
             module = f"model.{module}"  # trained on the bare decoder (LlamaModel), no LM head
         module = _text_tower_name(module, target_shapes)

@@ -31,6 +31,7 @@ from detlora.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGenerat
 from detlora.models.llama import LlamaForCausalLM
 from detlora.models.lora_targets import LoRATargets
 from detlora.models.mistral import MistralForCausalLM
+from detlora.models.nemotron_h import NemotronHForCausalLM
 from detlora.models.phi3 import Phi3ForCausalLM
 from detlora.models.qwen2 import Qwen2ForCausalLM
 from detlora.models.qwen3 import Qwen3ForCausalLM
@@ -39,11 +40,11 @@ from detlora.models.weights_hash import combine_digests, tensor_digest
 
 logger = logging.getLogger("detlora")
 
-ARCHITECTURES: dict[str, type[DecoderForCausalLM]] = {
+ARCHITECTURES: dict[str, type[DecoderForCausalLM] | type[NemotronHForCausalLM]] = {
     cls.architecture: cls for cls in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM,
                                       MistralForCausalLM, Phi3ForCausalLM, Gemma3ForCausalLM,
                                       Gemma3ForConditionalGeneration, Gemma4ForCausalLM,
-                                      Gemma4ForConditionalGeneration)
+                                      Gemma4ForConditionalGeneration, NemotronHForCausalLM)
 }
 assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
 
@@ -86,9 +87,12 @@ def load_model(
     embedding: torch.Tensor | None = None
     unexpected: list[str] = []
     skipped: Counter[str] = Counter()  # why -> weights left out (the model says why)
+    # A family's checkpoint spelling -> hf_weights' (NemotronH: backbone.* -> model.*).
+    rename = getattr(model, "checkpoint_name", None)
     for file in checkpoint_files(path):
         with _opened(file) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = rename(stored) if rename is not None else stored
                 if _IGNORED.match(name):
                     continue
                 why = model.skipped_weight(name)
@@ -96,7 +100,7 @@ def load_model(
                     skipped[why] += 1
                     continue
                 if name == "lm_head.weight" and spec.tie_word_embeddings:
-                    tied_head = f.get_tensor(name).to(dtype)
+                    tied_head = f.get_tensor(stored).to(dtype)
                     continue
                 if name not in expected:
                     unexpected.append(name)
@@ -105,7 +109,7 @@ def load_model(
                     raise ValueError(f"weight {name!r} appears twice in the checkpoint "
                                      f"(again in {file.name})")
                 shape, load = expected[name]
-                t = f.get_tensor(name)
+                t = f.get_tensor(stored)
                 if tuple(t.shape) != shape:
                     raise ValueError(f"weight {name!r} in {file.name} has shape "
                                      f"{tuple(t.shape)}, expected {shape} from config.json")

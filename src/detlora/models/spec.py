@@ -32,15 +32,18 @@ from detlora.models.config_fields import (  # noqa: F401 (_MAX_SIZE: a name othe
     _token_ids,
 )
 from detlora.models.gemma_config import GemmaSpec, gemma_spec_fields
+from detlora.models.hybrid_spec import HybridSpec, nemotron_h_fields
 from detlora.models.layer_spec import KVGroup, LayerAttention, RopeSpec, kv_groups
 
 # architecture -> HF model_type. Llama, Qwen2/3, Mistral and Phi-3: decoder-only, pre-norm,
-# SwiGLU, neox rotary, GQA; Gemma 3 and 4 (models/gemma_config.py reads them) differ per layer.
+# SwiGLU, neox rotary, GQA; Gemma 3 and 4 (models/gemma_config.py reads them) differ per layer;
+# NemotronH is a hybrid of Mamba-2, attention and MLP layers (models/hybrid_spec.py).
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
     {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
      "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
      "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
-     "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4"}
+     "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4",
+     "NemotronHForCausalLM": "nemotron_h"}
 )
 # Architectures whose config.json models/gemma_config.py reads.
 GEMMA_ARCHITECTURES = frozenset(a for a in SUPPORTED_ARCHITECTURES if a.startswith("Gemma"))
@@ -86,6 +89,7 @@ class ModelSpec:
     # Gemma); None: every layer is ``LayerAttention`` of the fields above (``attention``).
     layer_attention: tuple[LayerAttention, ...] | None = None
     gemma: GemmaSpec | None = None  # Gemma 3 / 4 only (models/gemma_config.py)
+    hybrid: HybridSpec | None = None  # layer pattern and Mamba-2 sizes (NemotronH)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -112,11 +116,18 @@ class ModelSpec:
         layer unless layers have windows or share K/V."""
         return kv_groups([self.attention(i) for i in range(self.num_layers)])
 
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with attention: all of them, but a hybrid's ``*`` layers."""
+        return self.num_layers if self.hybrid is None else self.hybrid.num_attention_layers
+
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over every layer with a cache of its own, in bytes (layers
         that read another's K/V add none; a windowed layer's pages are counted as if it kept
-        them all: see ``kv_groups`` for what it keeps)."""
+        them all: see ``kv_groups`` for what it keeps; a hybrid's attention layers only)."""
         elem = torch.empty(0, dtype=dtype).element_size()
+        if self.hybrid is not None:
+            return 2 * self.num_attention_layers * self.kv_size * elem
         return sum(2 * a.num_kv_heads * a.head_dim * elem
                    for a in map(self.attention, range(self.num_layers)) if a.is_producer)
 
@@ -134,6 +145,10 @@ class ModelSpec:
             d["layer_attention"] = [a.canonical() for a in self.layer_attention]
         if self.gemma is not None:
             d["gemma"] = self.gemma.canonical()
+        if self.hybrid is None:
+            del d["hybrid"]  # the canonical form (and weights hashes) of other models as before
+        else:
+            d["hybrid"] = self.hybrid.canonical()
         return d
 
     @classmethod
@@ -149,6 +164,9 @@ class ModelSpec:
         if arch in GEMMA_ARCHITECTURES:
             return cls(**gemma_spec_fields(cfg, arch, SUPPORTED_ARCHITECTURES[arch], source))
         _refuse_unsupported(cfg, source)
+        if arch == "NemotronHForCausalLM":
+            fields, read = nemotron_h_fields(cfg, source, _Reader, _token_ids, _MAX_TOKENS)
+            return cls(**fields, dtype=_dtype(read, arch, source))
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")
         kv_heads = r.int("num_key_value_heads", default=heads)
