@@ -160,6 +160,9 @@ def continue_from_kv(
     _one_process(engine)
     if engine.has_unfinished():
         raise ValueError("continue_from_kv needs an idle engine (it writes the KV pages)")
+    if engine.spec.hybrid is not None:
+        raise ValueError(f"continue_from_kv continues from a KV cache alone; "
+                         f"{engine.spec.architecture}'s Mamba-2 layers keep states beside it")
     spec, kv = engine.spec, engine.runner.kv_cache
     n = len(token_ids) - 1
     expected = (spec.num_layers, n, max(c.shape[2] for c in kv.k),

@@ -183,6 +183,9 @@ class LLMEngine:
             config.model, revision=config.revision, download_dir=config.download_dir,
             dtype=conversion_dtype(config.dtype, self.device))
         spec = ModelSpec.from_dir(self.model_dir)
+        if spec.hybrid is not None and config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor parallelism does not support hybrid (Mamba-2) models "
+                             f"yet: {spec.architecture} runs with tensor_parallel_size=1")
         self.dtype = resolve_dtype(config.dtype, spec.dtype, self.device)
         self.determinism = config.resolved_determinism
         self.lora_reduction = config.resolved_lora_reduction
@@ -276,13 +279,20 @@ class LLMEngine:
             logger.info("CUDA graphs captured in %.1f s", built)
             if kernel_key is not None:
                 kernel_cache.mark_kernels_cached(kernel_key, built)
+        caching = config.resolved_prefix_caching
+        if caching and spec.hybrid is not None:
+            logger.info("prefix caching is off for %s: a hybrid model's Mamba-2 states are "
+                        "not cached at page boundaries yet, and a hit without them could "
+                        "not resume with the bits of a miss", spec.architecture)
+            caching = False
         if isinstance(kv_blocks, int):
-            self.block_manager = BlockManager(num_blocks, config.block_size,
-                                              enable_caching=config.resolved_prefix_caching)
+            self.block_manager = BlockManager(
+                num_blocks, config.block_size, enable_caching=caching,
+                num_state_slots=config.max_num_seqs if spec.hybrid is not None else 0)
         else:
             self.block_manager = GroupedBlockManager(
                 kv_blocks, [g.window for g in self.model.kv_groups], config.block_size,
-                enable_caching=config.resolved_prefix_caching)
+                enable_caching=caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -303,7 +313,7 @@ class LLMEngine:
             "cuda_graphs": self.runner.uses_cuda_graphs, "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "enable_chunked_prefill": config.enable_chunked_prefill, "num_kv_blocks": num_blocks,
-            "enable_prefix_caching": config.resolved_prefix_caching,
+            "enable_prefix_caching": caching,
             **({"tensor_parallel_size": config.tensor_parallel_size}
                if config.tensor_parallel_size > 1 else {}),
         }
@@ -333,6 +343,11 @@ class LLMEngine:
             self.lora_reduction.value, num_blocks, config.block_size, kv_gib,
             "CUDA graphs" if self.runner.uses_cuda_graphs else "eager",
             self.fingerprint_of(None))
+        if getattr(self.runner, "state_cache", None) is not None:
+            logger.info("state cache: %d slots of %.1f MiB (%.2f GiB) for the Mamba-2 layers, "
+                        "chunk grid of %d positions", self.runner.state_cache.num_slots,
+                        self.model.state_bytes_per_slot() / 2**20,
+                        self.runner.state_cache.nbytes / 2**30, self.model.mamba_chunk_size)
 
     # ---- setup ----
 

@@ -19,6 +19,11 @@ a second graph launched for ``NARROW_GROUPS`` groups (its views take the first g
 the groups with rows come first), which a step replays when its rows use no more; where a
 program computes a group never changes its bits.
 
+Hybrid models (``mamba_chunk_size``): each row's state slot, position and chunk item are
+staged too (one more int32 copy); a decode plan lists every row in every launch, whose
+kernels skip what a row does not need. Padding rows use ``junk_state_slot``, a slot no
+sequence holds, at position 0 (which reads nothing from it).
+
 A step launched before the previous one was read (the engine runs one step ahead) does not
 know its input tokens yet: a negative input id ``-1 - r`` means "the token sampled for row r
 of the previous step", which the engine leaves in ``feed`` on the device. The graph gathers
@@ -36,8 +41,14 @@ from detlora.engine.runner.adapter_group_layout import AdapterGroupLayout
 from detlora.engine.runner.copy_fence import CopyFence
 from detlora.engine.runner.graph_capture import Forward, capture_bucket
 from detlora.engine.runner.step_inputs import StepInputs
-from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.layers.forward_batch import (
+    AttentionMetadata,
+    ForwardBatch,
+    LoRABatch,
+    MambaMetadata,
+)
 from detlora.ops.adapter_groups import row_tile_room
+from detlora.ops.chunk_plan import ITEM_FIELDS, ChunkPlan, decode_rows
 
 # With more adapter slots than this, every bucket also gets a graph launched for
 # ``NARROW_GROUPS`` adapter groups: one adapter, with or without rows that use none.
@@ -64,6 +75,8 @@ class DecodeGraphs:
         max_model_len: int,
         num_adapters: int | None,  # adapter slots, None without LoRA
         kv_groups: int = 1,  # KV page groups of the model (models/layer_spec.py)
+        mamba_chunk_size: int | None = None,  # hybrid models: their chunk grid
+        junk_state_slot: int = 0,  # hybrid models: the state slot of padding rows
     ) -> None:
         self.forward = forward
         self.device = device
@@ -116,6 +129,16 @@ class DecodeGraphs:
             token_adapter_at=n, sorted_rows_at=2 * n, groups_at=3 * n,
             max_groups=self.max_groups, num_adapters=num_adapters,
             row_tiles_at=3 * n + 3 * self.max_groups)
+        self.mamba_chunk_size = mamba_chunk_size
+        self.junk_state_slot = junk_state_slot
+        if mamba_chunk_size is not None:
+            # int32 [11n]: state_slots [n], seq_start [n], items [n, 7], first tiles [n, 2].
+            self._m32 = torch.zeros(11 * n, dtype=torch.int32, device=device)
+            self._hm32 = torch.zeros(11 * n, dtype=torch.int32, pin_memory=pin)
+            self._stage_mamba([], [], 0, n)
+            self._m32.copy_(self._hm32)
+            self._m_index = torch.arange(n + 1, dtype=torch.int32, device=device)
+            self._m_none = torch.zeros(0, 2, dtype=torch.int32, device=device)
         # Graphs and outputs by (bucket, groups launched: None = every group the bucket can
         # have).
         self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
@@ -148,8 +171,31 @@ class DecodeGraphs:
         lora = None
         if self.group_layout is not None:
             lora = LoRABatch(self.group_layout.views(self._i32, b, groups))
+        mamba = None
+        if self.mamba_chunk_size is not None:
+            n, index = self.buckets[-1], self._m_index
+            items = self._m32[2 * n: 2 * n + ITEM_FIELDS * n].view(n, ITEM_FIELDS)
+            tiles = self._m32[9 * n: 11 * n].view(n, 2)
+            plan = ChunkPlan(self.mamba_chunk_size, items[:b], index[: b + 1], tiles[:b],
+                             self._m_none, index[:b], index[:b], 0)
+            mamba = MambaMetadata(self._m32[:b], self._m32[n: n + b],
+                                  self.query_start_loc[: b + 1], index[:b], plan)
         return ForwardBatch(input_ids, self.positions[:b], attn,
-                            self.logits_indices[:b], lora)
+                            self.logits_indices[:b], lora, mamba)
+
+    def _stage_mamba(self, positions: list[int], slots: list[int], b: int,
+                     bucket: int) -> None:
+        """Rows [0, b) of a decode step and padding rows [b, bucket) into the host twin."""
+        n = self.buckets[-1]
+        pad = bucket - b
+        positions = list(positions) + [0] * pad
+        slots = list(slots) + [self.junk_state_slot] * pad
+        items, tiles = decode_rows(positions, slots, self.mamba_chunk_size)
+        h = self._hm32.numpy()
+        h[:bucket] = slots
+        h[n: n + bucket] = positions
+        h[2 * n: 2 * n + ITEM_FIELDS * bucket] = items
+        h[9 * n: 9 * n + 2 * bucket] = tiles
 
     def capture(self, captured: Callable[[], object] | None = None) -> None:
         """Capture every graph of ``graph_keys``, largest bucket first, sharing one memory
@@ -244,6 +290,9 @@ class DecodeGraphs:
             self.group_slots[:, :bucket].copy_(self._hgslots[:, :bucket], non_blocking=True)
             self.group_tables[:, :bucket, :width].copy_(self._hgtables[:, :bucket, :width],
                                                         non_blocking=True)
+        if self.mamba_chunk_size is not None:
+            self._stage_mamba(step.positions, step.state_slots, b, bucket)
+            self._m32.copy_(self._hm32, non_blocking=True)
         if self.device.type == "cuda":
             self._fence.record()
         return used

@@ -11,6 +11,9 @@ sliding-window group, the pages its sequences can hold at once (``window_pages``
 running sequence's window plus a step's new tokens, so a window group never runs out), and
 the rest of the room in group 0 (the full-attention layers'); the sizes above count group 0.
 Layers that read another layer's K/V count nothing.
+Hybrid models also hold a state cache of ``max_num_seqs`` slots (``models/state_cache.py``),
+allocated by the runner, so the profiled peak counts it; before profiling, ``state_room``
+refuses a ``max_num_seqs`` whose states alone do not fit, naming the largest that does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import torch
 
 from detlora.engine.runner.step_inputs import StepInputs
+from detlora.log import get_logger
+
+logger = get_logger(__name__)
 
 CPU_KV_BYTES = 256 * 2**20
 
@@ -100,7 +106,31 @@ def profile_step(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_le
         tables.append(table)
         qsl.append(qsl[-1] + n)
     return StepInputs(ids, pos, slots, [-1] * len(ids), tables, lens, qsl,
-                      [q - 1 for q in qsl[1:]])
+                      [q - 1 for q in qsl[1:]], state_slots=list(range(len(lens))))
+
+
+def state_room(model: torch.nn.Module, *, max_num_seqs: int, budget: int) -> int:
+    """Bytes of a hybrid model's state cache (0 for other models): a slot per sequence and
+    one for the decode graphs' padding rows, logged; ValueError when they exceed ``budget``
+    (bytes left under gpu_memory_utilization once the weights are loaded), naming the most
+    sequences that fit."""
+    per_seq = getattr(model, "state_bytes_per_slot", lambda: 0)()
+    if not per_seq:
+        return 0
+    total = per_seq * (max_num_seqs + 1)
+    logger.info("state cache: %d slots (max_num_seqs + 1) x %.1f MiB = %.2f GiB of Mamba-2 "
+                "state (conv state, fp32 SSM state, open-chunk rows), counted before the KV "
+                "pages", max_num_seqs + 1, per_seq / 2**20, total / 2**30)
+    if total > budget:
+        fit = max(max(budget, 0) // per_seq - 1, 0)
+        raise ValueError(
+            f"max_num_seqs={max_num_seqs} needs {total / 2**30:.2f} GiB of Mamba-2 state "
+            f"({per_seq / 2**20:.1f} MiB per sequence: conv state, fp32 SSM state and the "
+            f"open chunk's rows of every Mamba layer) but gpu_memory_utilization leaves "
+            f"{max(budget, 0) / 2**30:.2f} GiB after the weights: lower max_num_seqs to at "
+            f"most {fit} (fewer, to leave room for KV pages and activations) or raise "
+            "gpu_memory_utilization")
+    return total
 
 
 def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.device,
@@ -114,6 +144,9 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         block_size=block_size)
     scratch_blocks = max(max(row) for row in step.block_tables) + 1
+    free, total = torch.cuda.mem_get_info(device)
+    state_room(model, max_num_seqs=max_num_seqs,
+               budget=int(total * gpu_memory_utilization) - (total - free))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -122,6 +155,8 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del runner
+    # The peak counts the throw-away state cache; the real runner's replaces it (not beside).
+    getattr(model, "release_state_cache", lambda: None)()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     # Non-torch allocations (CUDA context, cuBLAS workspaces) count against the total too.

@@ -35,6 +35,7 @@ from detlora.engine.runner.step_graphs import (
 )
 from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
+from detlora.layers.mamba_metadata import build_mamba_metadata
 from detlora.ops.adapter_groups import group_tokens
 
 
@@ -54,6 +55,7 @@ def decode_forward(
 
 
 class ModelRunner:
+    chunk_size: int | None = None  # a hybrid model's chunk grid (None: no Mamba layers)
     def __init__(
         self,
         model: torch.nn.Module,
@@ -79,6 +81,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_adapters = num_adapters
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
+        # Hybrid models: one state slot per sequence that may run (BlockManager hands them).
+        # Slot max_num_seqs: the decode graphs' padding rows (no sequence holds it).
+        self.chunk_size = getattr(model, "mamba_chunk_size", None)
+        self.state_cache = (model.allocate_state_cache(max_num_seqs + 1)
+                            if self.chunk_size is not None else None)
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         self._feed = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -108,8 +115,12 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             num_adapters=self.num_adapters,
             kv_groups=self.kv_groups,
+            mamba_chunk_size=self.chunk_size,
+            junk_state_slot=max_num_seqs,
         )
-        buckets = step_graph_buckets(max_num_batched_tokens, max_num_seqs)
+        # Hybrid models' prefill steps run eagerly: their chunk plans vary in length.
+        buckets = (step_graph_buckets(max_num_batched_tokens, max_num_seqs)
+                   if self.chunk_size is None else [])
         return graphs, self._step_graphs(graphs, buckets)
 
     def _step_graphs(self, graphs: DecodeGraphs,
@@ -200,6 +211,7 @@ class ModelRunner:
         self.graphs = self.step_graphs = None
         self.model.release_kv_cache()
         self.kv_cache = None
+        self.state_cache = None
         self._feed = None
 
     def forward_batch(self, step: StepInputs) -> ForwardBatch:
@@ -236,12 +248,18 @@ class ModelRunner:
         if step.input_ids and min(step.input_ids) < 0:  # fed rows (see ``feed``)
             fed = self.fed_tokens.index_select(0, (-1 - input_ids).clamp(min=0))
             input_ids = torch.where(input_ids >= 0, input_ids, fed)
+        mamba = None
+        if self.chunk_size is not None:
+            mamba = build_mamba_metadata(step.query_start_loc, step.seq_lens, step.state_slots,
+                                         self.chunk_size, dev,
+                                         query_start_loc_tensor=attn.query_start_loc)
         return ForwardBatch(
             input_ids=input_ids,
             positions=t(step.positions, torch.int64),
             attn=attn,
             logits_indices=t(step.logits_indices, torch.int64),
             lora=lora,
+            mamba=mamba,
         )
 
     def feed(self, tokens: torch.Tensor) -> None:

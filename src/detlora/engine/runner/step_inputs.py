@@ -32,6 +32,7 @@ class StepInputs:
     # a sliding window, never read); empty with one group.
     group_slot_mapping: list[list[int]] = field(default_factory=list)  # [G - 1][T]
     group_block_tables: list[list[list[int]]] = field(default_factory=list)  # [G - 1][B][pages]
+    state_slots: list[int] = field(default_factory=list)  # [B]: hybrid models' state slots
 
     @property
     def num_tokens(self) -> int:
@@ -128,4 +129,4 @@ def build_step_inputs(
             logits_idx.append(rows - 1)
     return StepInputs(ids, pos, slots, adapters, tables, seq_lens, qsl, logits_idx,
                       prompt_rows, prompt_row_seqs, prompt_row_positions, group_slots,
-                      group_tables)
+                      group_tables, [item.seq.state_slot for item in sched.scheduled])

@@ -13,6 +13,13 @@ keeps its key while it waits in the free list, and loses it only when it is hand
 the least recently freed cached page is evicted first. Shared pages are full, so nobody writes
 to them again.
 
+State slots (hybrid models): with ``num_state_slots`` every sequence that holds pages also
+holds one slot of the Mamba layers' state cache (``Sequence.state_slot``), taken with its
+first page and given back with its pages, from a FIFO free list like the pages. A running
+sequence always holds pages, and at most ``max_num_seqs`` run, so that many slots never run
+out. A slot's number never changes bits: a sequence starting at position 0 reads nothing
+from it.
+
 Pages being computed: from its admission until each page is registered, a running sequence
 marks the keys of its known full pages (``mark_computing``). A waiting sequence whose next
 uncached page is one of them is better off waiting for it than computing it a second time
@@ -33,7 +40,8 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False,
+                 num_state_slots: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -48,6 +56,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # content key -> page
         self._key_of: dict[int, bytes] = {}  # page -> its content key, for registered pages
         self._computing: dict[bytes, int] = {}  # key -> running sequences computing that page
+        self._free_states: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_state_slots))
+        self.num_state_slots = num_state_slots
         self.num_queried_tokens = 0  # tokens of admitted sequences looked up in the cache
         self.num_hit_tokens = 0  # of which found
 
@@ -78,6 +88,8 @@ class BlockManager:
                 f"sequence {seq.request_id} needs {need} more KV blocks, "
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
+        if self.num_state_slots and seq.state_slot < 0:
+            self._take_state_slot(seq)
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
             key = self._key_of.pop(block, None)
@@ -102,6 +114,15 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table = []
         seq.num_registered_pages = 0
+        if seq.state_slot >= 0:
+            self._free_states[seq.state_slot] = None
+            seq.state_slot = -1
+
+    def _take_state_slot(self, seq: Sequence) -> None:
+        if not self._free_states:
+            raise RuntimeError(f"all {self.num_state_slots} state slots are taken: more "
+                               "sequences hold pages than max_num_seqs")
+        seq.state_slot, _ = self._free_states.popitem(last=False)
 
     # ---- prefix cache ----
 
@@ -135,6 +156,8 @@ class BlockManager:
                 del self._free[page]
             self._ref_count[page] += 1
         seq.block_table = list(cached)
+        if self.num_state_slots and seq.state_slot < 0:
+            self._take_state_slot(seq)
         seq.num_registered_pages = len(cached)
         seq.num_computed = len(cached) * self.block_size
         self.num_queried_tokens += len(seq.token_ids)

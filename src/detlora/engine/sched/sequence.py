@@ -69,6 +69,7 @@ class Sequence:
     num_registered_pages: int = 0
     num_computing_end: int = 0  # pages [num_registered_pages, this) are marked as computing
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at admission
+    state_slot: int = -1  # its slot in a hybrid model's state cache while it holds pages
     num_reported: int = 0  # output tokens already reported (RequestOutputKind.DELTA)
     detokenizer: object | None = None  # its IncrementalDetokenizer, for per-step text
     grammar: object | None = None  # a GrammarMatcher (structured_outputs), at its read tokens
