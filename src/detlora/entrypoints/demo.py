@@ -46,6 +46,9 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A hybrid model's projections (NemotronH: Mamba-2 in_proj, attention, the MLP's up/down).
+HYBRID_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
+                       "in_proj")
 
 
 @dataclass(frozen=True)
@@ -219,17 +222,19 @@ def write_random_adapter(out_dir: Path, model_dir: Path, *, rank: int, seed: int
     out_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     # Every target the model offers among the seven (its names and shapes: a layer that
-    # reads another's K/V has no k/v projection; each layer its own head size).
+    # reads another's K/V has no k/v projection; each layer its own head size); a hybrid's
+    # own projections (Mamba in_proj, attention, up/down).
+    targets = HYBRID_LORA_TARGETS if spec.hybrid is not None else LORA_TARGETS
     w: dict[str, torch.Tensor] = {}
     for module, (fin, fout) in lora_target_shapes_of(spec).items():
-        if module.rpartition(".")[2] not in LORA_TARGETS:
+        if module.rpartition(".")[2] not in targets:
             continue
         p = f"base_model.model.{module}."
         w[p + "lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin ** 0.5
         w[p + "lora_B.weight"] = torch.randn(fout, rank, generator=g) * b_std
     save_file(w, str(out_dir / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": list(LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
               "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
 

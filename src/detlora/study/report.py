@@ -270,7 +270,9 @@ def _trace(data: dict) -> list[str]:
                           _g(x["k_max_abs"]), x["k_differing"], _g(x["v_max_abs"]),
                           x["v_differing"]) for x in e["layers"]])
         c = e.get("controlled")
-        if c:
+        if c and "skipped" in c:
+            lines += [f"Controlled experiment: not run ({c['skipped']}).", ""]
+        elif c:
             rows = []
             for name in ("from_cache_a", "from_cache_b"):
                 x = c[name]

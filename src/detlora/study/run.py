@@ -126,8 +126,10 @@ def prepare_model(name: str | None, adapters: Sequence[str], work: Path, *,
         out = write_default_adapter(path, work / "adapters" / slug, rank=default_rank,
                                     seed=seed)
         dirs = (str(out),)
-        desc = (f"default: rank {default_rank}, alpha {2 * default_rank}, all seven "
-                f"projections, seeded random A and B (seed {seed})")
+        where = ("all seven projections" if spec.hybrid is None else
+                 "q/k/v/o, up/down and the Mamba in_proj")
+        desc = (f"default: rank {default_rank}, alpha {2 * default_rank}, {where}, seeded "
+                f"random A and B (seed {seed})")
     rank = max(adapter_rank(d) for d in dirs)
     return StudyModel(path=path, label=label, adapters=dirs, adapter_label=desc,
                       max_rank=rank, tokenizer=tok, max_model_len=spec.max_position_embeddings)
@@ -535,12 +537,20 @@ def _trace(result: StudyResult, model: StudyModel, plan: StudyPlan,
             return
         entry["prompt_index"] = div.prompt_index
         entry["prompt"] = tasks[div.prompt_index].prompt
-        entry.update(trace.describe_divergence(div, llm.engine.spec.num_layers, tok.decode))
+        spec = llm.engine.spec
+        kv_layers = (None if spec.hybrid is None else
+                     [i for i, t in enumerate(spec.hybrid.layer_types) if t == "*"])
+        entry.update(trace.describe_divergence(div, spec.num_layers, tok.decode, kv_layers))
         stop_ids = llm.engine.eos_token_ids
     finally:
         result.trace.setdefault("per_model", []).append(entry)
         del llm
         release()
+    if kv_layers is not None:
+        entry["controlled"] = {"skipped": "a hybrid model's Mamba-2 states are not in its KV "
+                                          "cache: a run cannot be continued from its K/V alone"}
+        bar.tick()
+        return
     det = EngineSetup("run_to_run", "unsplit")
     det_llm = build(det, "eager")
     try:

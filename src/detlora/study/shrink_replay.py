@@ -29,11 +29,17 @@ def replay_available(device: torch.device) -> bool:
 
 def shapes_of(spec: ModelSpec, rank: int) -> list[tuple[str, int, int, int]]:
     """(name, hidden, slices, out features of the base weight) of the replayed shrinks (the
-    first layer's, where layers differ)."""
+    first layer's, where layers differ); a hybrid model's Mamba in_proj (hidden ->
+    [z | xBC | dt]) too."""
     a = spec.attention(0)
     q, kv = spec.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    return [("qkv", spec.hidden_size, 3, q + 2 * kv),
-            ("down", spec.intermediate_size, 1, spec.hidden_size)]
+    shapes = [("qkv", spec.hidden_size, 3, q + 2 * kv),
+              ("down", spec.intermediate_size, 1, spec.hidden_size)]
+    h = spec.hybrid
+    if h is not None:
+        shapes.append(("in_proj", spec.hidden_size, 1,
+                       h.d_inner + h.conv_dim + h.mamba_num_heads))
+    return shapes
 
 
 def shrink_replay_rows(model: str, spec: ModelSpec, rank: int, rows: Sequence[int],

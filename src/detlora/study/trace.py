@@ -10,7 +10,8 @@
    and per layer the largest shrink and K/V differences up to that token.
 3. The controlled experiment: a deterministic engine continues from each run's KV cache
    (every position before the last shared token), greedy to the end; whether the two caches
-   alone choose different tokens, repeated twice.
+   alone choose different tokens, repeated twice. Not for hybrid models: their Mamba layers'
+   states are not in the KV cache (the search and the divergence are traced as for others).
 """
 
 from __future__ import annotations
@@ -152,9 +153,11 @@ def _layer_of(name: str) -> int:
 
 
 def describe_divergence(div: Divergence, num_layers: int,
-                        decode: Callable[[list[int]], str]) -> dict:
+                        decode: Callable[[list[int]], str],
+                        kv_layers: Sequence[int] | None = None) -> dict:
     """Where the two runs part: token, logits margin, first shrink difference, per-layer
-    shrink and K/V differences up to the token (JSON-ready)."""
+    shrink and K/V differences up to the token (JSON-ready). ``kv_layers``: the layer of
+    each KV cache layer (default: every layer has one; a hybrid's attention layers only)."""
     a, b, j = div.run_a, div.run_b, div.token_index
     tok_a = a.token_ids[j] if j < len(a.token_ids) else None
     tok_b = b.token_ids[j] if j < len(b.token_ids) else None
@@ -181,9 +184,9 @@ def describe_divergence(div: Divergence, num_layers: int,
     end = prompt_len + j  # the positions whose K/V the differing token was chosen with
     ka, va = a.kv_until(end)
     kb, vb = b.kv_until(end)
-    for i in range(num_layers):
-        layers[i]["k_max_abs"], layers[i]["k_differing"] = _max_diff(ka[i], kb[i])
-        layers[i]["v_max_abs"], layers[i]["v_differing"] = _max_diff(va[i], vb[i])
+    for c, i in enumerate(range(num_layers) if kv_layers is None else kv_layers):
+        layers[i]["k_max_abs"], layers[i]["k_differing"] = _max_diff(ka[c], kb[c])
+        layers[i]["v_max_abs"], layers[i]["v_differing"] = _max_diff(va[c], vb[c])
 
     def logits_at(run: TracedRun) -> dict | None:
         if j >= len(run.top) or tok_a is None or tok_b is None:
