@@ -13,6 +13,8 @@
 #                     gpu-ops-tests attention-tests matmul-tests engine-tests sampling-tests
 #                     penalty-engine-tests structured-tests (installs .whl/*.whl first)
 #                     study-tests multi-lora-tests robust-tests short-requests-tests
+#                     nemotron-tests (hybrid Mamba-2 kernels at the 4B shape, a tiny
+#                     Nemotron-H's bits)
 #                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
 #                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
 #                     gemma-tests (sliding-window / head_dim 512 kernels, Gemma engines)
@@ -30,8 +32,9 @@
 #                     audit (the audit log: serving with and without it at concurrency 64,
 #                     detlora verify against offline; the server's wheels from .whl/)
 #                     study (detlora study: SmolLM2-135M-Instruct and the Llama-3.2-3B shape;
-#                     $STUDY_MODELS picks "smollm2", "3b" or "e4b" (the Gemma 4 E4B shape,
-#                     random weights) (each to $OUT/study-<model>, for
+#                     $STUDY_MODELS picks "smollm2", "3b", "e4b" (the Gemma 4 E4B shape,
+#                     random weights) or "nemotron" (the Nemotron-3-Nano-4B shape, random
+#                     weights) (each to $OUT/study-<model>, for
 #                     `detlora study --merge`); $STUDY_ARGS adds options, e.g. --sections
 #                     replay,repeat or --reductions ordered; installs .whl/*.whl
 #                     first, where matplotlib's wheels give the figures; without them
@@ -48,13 +51,15 @@
 #                     server's wheels from .whl/; $SMALL_MODELS_ARGS adds options, e.g.
 #                     --parts levels,offline or --serve-args "..."); or in two calls,
 #                     small-models-demo then small-models-rest (one small_models.json)
+#                     | architectures-nemotron (the Nemotron-3-Nano-4B shape's rows, into the
+#                     same architectures.json)
 #   experiments       attention-decode-ctas attention-fold capture-gc-probe copy-reference
 #                     cublas-kernels expand-group-cap first-cache-hit fused-lora-norm fused-qkv
 #                     l2-read matmul-bounds matmul-regions matmul-split-counts
 #                     matmul-two-part matmul-two-part-rule matmul-unsplit-tiles pdl-decode
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
 #                     serving-timeline (the server's wheels from .whl/) expand-spread-tiles
-#                     shared-inflight-pages vendor-gemm multi-lora-waves
+#                     shared-inflight-pages vendor-gemm multi-lora-waves mamba-replay-cost
 #
 # A/B on one machine: DETLORA_SRC=DIR runs the steps against another checkout's src (say
 # `git archive OLD src | tar -x -C ab/`, untracked so that it travels), with
@@ -108,6 +113,12 @@ write_model(Path(sys.argv[1]), ModelShape())" "$tmp/Llama-3.2-3B-shape" || retur
 from benchmarks.suites.architectures_gemma import GEMMA4_E4B, write_checkpoint; \
 write_checkpoint(Path(sys.argv[1]), GEMMA4_E4B)" "$tmp/Gemma-4-E4B-shape" || return 1 ;;
   esac
+  case " $models " in *" nemotron "*)
+    python3 -c "import sys; from pathlib import Path; \
+from benchmarks.suites.architectures_nemotron import SHAPES, write_model; \
+write_model(Path(sys.argv[1]), SHAPES['nemotron-3-nano-4b'].config, 'cuda')" \
+      "$tmp/Nemotron-3-Nano-4B-shape" || return 1 ;;
+  esac
   if [ "$models" = "smollm2 3b" ]; then
     # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
     python3 -m detlora.entrypoints.cli study smollm2 "$tmp/Llama-3.2-3B-shape" \
@@ -118,7 +129,9 @@ write_checkpoint(Path(sys.argv[1]), GEMMA4_E4B)" "$tmp/Gemma-4-E4B-shape" || ret
         smollm2) args=(smollm2) ;;
         3b) args=("$tmp/Llama-3.2-3B-shape" --tokenizer smollm2) ;;
         e4b) args=("$tmp/Gemma-4-E4B-shape" --tokenizer smollm2) ;;
-        *) echo "STUDY_MODELS: unknown model $m (smollm2, 3b, e4b)"; rc=1; continue ;;
+        nemotron) args=("$tmp/Nemotron-3-Nano-4B-shape" --tokenizer smollm2) ;;
+        *) echo "STUDY_MODELS: unknown model $m (smollm2, 3b, e4b, nemotron)"; rc=1
+           continue ;;
       esac
       out="$OUT/study-$m"
       # shellcheck disable=SC2086 # STUDY_ARGS is a list of options
@@ -151,7 +164,7 @@ for step in "${steps[@]}"; do
                   tests/gpu/test_structured_gpu.py tests/gpu/test_study_gpu.py \
                   tests/gpu/test_tensor_parallel_ops_gpu.py tests/gpu/test_tensor_parallel_gpu.py \
                   tests/gpu/test_audit_gpu.py tests/gpu/test_bases_gpu.py \
-                  --durations=15 || status=1 ;;
+                  tests/gpu/test_nemotron_h_gpu.py --durations=15 || status=1 ;;
     gpu-ops-tests) gpu_tests gpu_ops_tests.log 25 tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_rowwise_ops_gpu.py || status=1 ;;
     attention-tests) gpu_tests attention_tests.log 15 tests/gpu/test_paged_attention_gpu.py \
@@ -167,6 +180,8 @@ for step in "${steps[@]}"; do
     study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
     gemma-tests) gpu_tests gpu_tests_gemma.log 25 tests/gpu/test_gemma_gpu.py --durations=10 \
                    || status=1 ;;
+    nemotron-tests) gpu_tests gpu_tests_nemotron.log 25 tests/gpu/test_nemotron_h_gpu.py \
+                      --durations=10 || status=1 ;;
     multi-lora-tests) gpu_tests gpu_tests_multi_lora.log 25 tests/gpu/test_multi_lora_gpu.py \
                         --durations=10 || status=1 ;;
     tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \
@@ -226,6 +241,13 @@ for step in "${steps[@]}"; do
       case $m in e4b) m=gemma4-e4b ;; 1b) m=gemma3-1b ;; 4b) m=gemma3-4b ;; esac
       python3 -m benchmarks.suites.architectures_gemma --models "$m" \
         --out "$OUT/architectures_gemma_$m.json" || status=1 ;;
+    # The Nemotron-3-Nano-4B shape (a hybrid: its own roofline and checks) into the same file:
+    # the rows of this call's architectures step, else the recorded ones, stay.
+    architectures-nemotron)
+      keep=benchmarks/results/architectures.json
+      [ -f "$OUT/architectures.json" ] && keep=$OUT/architectures.json
+      python3 -m benchmarks.suites.architectures_nemotron --keep-rows-from "$keep" \
+        --out "$OUT/architectures.json" || status=1 ;;
     study) server_wheels; study || status=1 ;;
     prefix-cache) python3 -m benchmarks.suites.prefix_cache --out "$OUT/prefix_caching.json" \
                     || status=1 ;;
@@ -307,6 +329,7 @@ for step in "${steps[@]}"; do
                            || status=1 ;;
     first-cache-hit) experiment first_cache_hit first_cache_hit.json || status=1 ;;
     multi-lora-waves) experiment multi_lora_waves multi_lora_waves.json || status=1 ;;
+    mamba-replay-cost) experiment mamba_replay_cost mamba_replay_cost.json || status=1 ;;
     serving-timeline) server_wheels
                       experiment serving_timeline serving_timeline.json || status=1 ;;
     fused-lora-norm) experiment fused_lora_norm fused_lora_ops.json || status=1 ;;
