@@ -1,8 +1,10 @@
-"""Qwen2, Mistral and Phi-3 (with LongRoPE) through the engine on the CPU: greedy tokens equal
-transformers' ``generate`` (+ PEFT) with base and adapter requests in one batch, and every
-request's tokens and logprobs are the same bits alone, in a batch, reversed, with chunked
-prefill, preemption and the prefix cache; Mistral's window is refused where it would matter
-and exact where it cannot."""
+"""Qwen2, Mistral and Phi-3 (with LongRoPE) through the engine on the CPU, each with sliding
+windows shorter than its prompts (Mistral and Phi-3: every layer; Qwen2: the layers from
+max_window_layers on, the first full): greedy tokens equal transformers' ``generate``
+(+ PEFT) with base and adapter requests in one batch, and every request's tokens and logprobs
+are the same bits alone, in a batch, reversed, with chunked prefill across the window's edge,
+preemption and the prefix cache (hit and miss). A window that holds the whole context is
+dropped: full attention, the same tokens as transformers'."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ from detlora.entrypoints.llm import LLM
 from detlora.lora.request import LoRARequest
 
 ORIGINAL = 32  # Phi-3's original_max_position_embeddings here: prompts on both sides of it
+# Windows shorter than most prompts, as each family's config.json spells them.
+WINDOWS = {"qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+           "mistral": dict(sliding_window=8), "phi3": dict(sliding_window=12)}
+GROUP_WINDOWS = {"qwen2": [None, 8], "mistral": [8], "phi3": [12]}  # KV groups' windows
+# (token budget, pages) that preempt: windowed layers give back the pages behind their
+# windows, so the all-windowed families need more sequences admitted at once.
+TIGHT = {"qwen2": (8, 14), "mistral": (12, 13), "phi3": (12, 13)}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +42,10 @@ def families(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
-            extra = {}
+            extra = dict(WINDOWS[arch])
             if arch == "phi3":  # LongRoPE with max_position_embeddings 128 = 4 x original
-                extra = dict(rope_parameters=longrope_parameters(16, ORIGINAL),
-                             original_max_position_embeddings=ORIGINAL)
+                extra |= dict(rope_parameters=longrope_parameters(16, ORIGINAL),
+                              original_max_position_embeddings=ORIGINAL)
             base = make_base_checkpoint(root / "base", arch, **extra)
             targets = FUSED_TARGETS if arch == "phi3" else ALL_TARGETS
             made[arch] = base, make_adapter(base, root / "adapter", targets=targets, seed=3)
@@ -87,6 +96,7 @@ def test_greedy_equals_transformers_generate(families, arch):
     mixed = [lora, None, lora, None]
     n = 16
     llm = make_llm(base)
+    assert [g.window for g in llm.engine.model.kv_groups] == GROUP_WINDOWS[arch]
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, sp, mixed, use_tqdm=False)
     for which in (None, adapter):
@@ -104,9 +114,9 @@ def test_greedy_equals_transformers_generate(families, arch):
 @pytest.mark.parametrize("arch", BASES)
 def test_bits_do_not_depend_on_the_batch(families, arch):
     """batch_invariant: each request alone is the reference; in a batch (run ahead or not),
-    reversed, chunked (8-token steps) on a KV cache that preempts, and with the prefix cache
-    (run twice: the second run reads cached pages), its token ids and logprobs are the same
-    bits."""
+    reversed, chunked (8- or 12-token steps, across the windows' edges) on a KV cache that
+    preempts, and with the prefix cache (run twice: the second run reads cached pages), its
+    token ids and logprobs are the same bits."""
     base, adapter = families(arch)
     n = 6
     prompts = random_prompts(n, seed=11, lo=3, hi=40)
@@ -135,7 +145,8 @@ def test_bits_do_not_depend_on_the_batch(families, arch):
     rev = list(reversed(range(n)))
     check(llm.generate([prompts[k] for k in rev], [params[k] for k in rev],
                        [mixed[k] for k in rev], use_tqdm=False), [alone[k] for k in rev])
-    tight = make_llm(base, max_num_batched_tokens=8, num_kv_blocks=14, block_size=4)
+    budget, pages = TIGHT[arch]
+    tight = make_llm(base, max_num_batched_tokens=budget, num_kv_blocks=pages, block_size=4)
     check(tight.generate(prompts, params, mixed, use_tqdm=False), alone)
     assert tight.engine.scheduler.num_preemptions > 0
     cached = make_llm(base, enable_prefix_caching=True, block_size=4)
@@ -157,12 +168,18 @@ def test_bits_do_not_depend_on_the_batch(families, arch):
         check([out], llm.generate(long, sp, use_tqdm=False))
 
 
-def test_mistral_window_refused_unless_it_holds_the_context(tmp_path):
+def test_window_holding_the_context_is_full_attention(tmp_path):
+    """sliding_window 48 at max_model_len 48: every window holds the whole sequence, so the
+    layers run full attention on one plain KV group, with transformers' tokens; at the
+    default 128 the window is applied."""
+    from detlora.engine.sched.block_manager import BlockManager
+    from detlora.engine.sched.grouped_block_manager import GroupedBlockManager
+
     base = make_base_checkpoint(tmp_path / "m", "mistral", sliding_window=48)
-    with pytest.raises(ValueError, match=r"sliding_window=48 \(on every layer.*"
-                                         r"max_model_len=128.*max_model_len=48"):
-        LLM(str(base), device="cpu")
+    assert isinstance(LLM(str(base), device="cpu").engine.block_manager, GroupedBlockManager)
     llm = LLM(str(base), device="cpu", max_model_len=48)
+    assert [g.window for g in llm.engine.model.kv_groups] == [None]
+    assert type(llm.engine.block_manager) is BlockManager
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (30, 12)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=17,
@@ -170,12 +187,3 @@ def test_mistral_window_refused_unless_it_holds_the_context(tmp_path):
     # transformers applies the 48-key window: over 47 tokens it is every key.
     want = hf_greedy(base, None, prompts, 17)
     assert [o.outputs[0].token_ids for o in outs] == [toks for toks, _ in want]
-
-
-def test_qwen2_window_layers_refused(tmp_path):
-    base = make_base_checkpoint(tmp_path / "q", "qwen2", use_sliding_window=True,
-                                sliding_window=64, max_window_layers=1)
-    with pytest.raises(ValueError, match=r"sliding_window=64 \(on layers 1 of 2"):
-        LLM(str(base), device="cpu")
-    assert LLM(str(base), device="cpu", max_model_len=64).generate(
-        [1, 2, 3], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

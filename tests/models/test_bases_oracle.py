@@ -1,7 +1,9 @@
-"""Qwen2, Mistral and Phi-3 on the CPU model path against transformers + PEFT (fp32): a
-mixed base/adapter batch over a paged cache and the decode steps after it; Qwen2's biases;
-Phi-3 adapters on the fused modules and on the split names; a row's bits with biases at
-batch_invariant whatever shares its batch."""
+"""Qwen2, Mistral and Phi-3 on the CPU model path against transformers + PEFT (fp32), with
+sliding windows shorter than the prompts (Qwen2: from max_window_layers on, so one full and
+one windowed layer; Mistral and Phi-3: every layer): a mixed base/adapter batch over a paged
+cache (pages behind the windows released and NaN-poisoned) and the decode steps after it;
+Qwen2's biases; Phi-3 adapters on the fused modules and on the split names; a row's bits with
+biases at batch_invariant whatever shares its batch."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tests.helpers.tiny_gemma import GroupedPagedKV
 from tests.helpers.tiny_hf import (
     ALL_TARGETS,
     BASES,
     FUSED_TARGETS,
     HFReference,
-    PagedKV,
     make_adapter,
     make_base_checkpoint,
     rel_err,
@@ -33,6 +35,9 @@ TOL = 1e-4  # fp32, relative to the largest reference logit
 SUBSET = {"phi3": ["qkv_proj", "down_proj"],
           "qwen2": ["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"],
           "mistral": ["k_proj", "v_proj", "gate_proj"]}
+# Windows shorter than most prompts here (3 to 14 tokens), as each config.json spells them.
+WINDOWS = {"qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+           "mistral": dict(sliding_window=6), "phi3": dict(sliding_window=7)}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def families(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
-            base = make_base_checkpoint(root / "base", arch)
+            base = make_base_checkpoint(root / "base", arch, **WINDOWS[arch])
             every = FUSED_TARGETS if arch == "phi3" else ALL_TARGETS
             ad1 = make_adapter(base, root / "ad1", r=8, alpha=16, seed=1, targets=every)
             ad2 = make_adapter(base, root / "ad2", r=4, alpha=8, use_rslora=True, seed=2,
@@ -65,7 +70,6 @@ def test_mixed_batch_then_decode_steps(families, arch):
     """Base and two adapters in one prefill, then two decode steps reading the pages."""
     base, ad1, ad2, ref = families(arch)
     model = load_model(base, lora_config=LoRAConfig(max_loras=3, max_lora_rank=8))
-    model.allocate_kv_cache(num_blocks=40, block_size=4)
     manager = LoRAManager(model)
     adapters = [LoRARequest("one", 1, str(ad1)), LoRARequest("two", 2, str(ad2)), None,
                 LoRARequest("one", 1, str(ad1))]
@@ -73,7 +77,9 @@ def test_mixed_batch_then_decode_steps(families, arch):
     lengths = [5, 9, 3, 12]
     full = _prompts([n + 2 for n in lengths], seed=4)
     slots = dict(enumerate(manager.activate(adapters)))
-    kv = PagedKV(40, 4, seed=5)
+    kv = GroupedPagedKV(model, 40, 4, seed=5)
+    assert [g.window for g in model.kv_groups] == ([None, 6] if arch == "qwen2" else
+                                                   [WINDOWS[arch]["sliding_window"]])
     batch = kv.step({s: full[s][:n] for s, n in enumerate(lengths)}, slots, 3)
     with torch.no_grad():
         got = split_rows(model(batch), lengths)
@@ -96,14 +102,13 @@ def test_qwen2_biases_are_used_and_matter(families):
     model = load_model(base)
     attn = model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
-    model.allocate_kv_cache(num_blocks=8, block_size=4)
     (ids,) = _prompts([11], seed=6)
     want = ref.logits(ids)
     with torch.no_grad():
-        assert rel_err(model(PagedKV(8, 4).step({0: ids})), want) < TOL
+        assert rel_err(model(GroupedPagedKV(model, 8, 4).step({0: ids})), want) < TOL
         for layer in model.layers:
             layer.self_attn.qkv_proj.bias.zero_()
-        assert rel_err(model(PagedKV(8, 4).step({0: ids})), want) > 1000 * TOL
+        assert rel_err(model(GroupedPagedKV(model, 8, 4).step({0: ids})), want) > 1000 * TOL
 
 
 @pytest.mark.parametrize("arch", BASES)
@@ -113,13 +118,12 @@ def test_rows_are_batch_invariant(families, arch):
     base, ad1, _, _ = families(arch)
     model = load_model(base, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
     assert model.backend.determinism.value == "batch_invariant"
-    model.allocate_kv_cache(num_blocks=40, block_size=4)
     slot = LoRAManager(model).activate([LoRARequest("one", 1, str(ad1))])[0]
     a, b, c = _prompts([7, 13, 4], seed=7)
     with torch.no_grad():
-        alone = model(PagedKV(40, 4).step({0: a}, {0: slot}, 2))
-        mixed = model(PagedKV(40, 4, seed=1).step({1: b, 0: a, 2: c},
-                                                  {0: slot, 1: -1, 2: slot}, 2))
+        alone = model(GroupedPagedKV(model, 40, 4).step({0: a}, {0: slot}, 2))
+        mixed = model(GroupedPagedKV(model, 40, 4, seed=1).step({1: b, 0: a, 2: c},
+                                                                {0: slot, 1: -1, 2: slot}, 2))
     assert torch.equal(alone, mixed[13:20])
 
 
@@ -179,11 +183,10 @@ def test_phi3_split_name_adapter(families, tmp_path):
     model = load_model(base, lora_config=LoRAConfig(max_loras=1, max_lora_rank=4))
     split = _write_split_adapter(tmp_path / "split", model.lora_target_shapes(), 4, 8)
     fused = _fused_equivalent(base, split, tmp_path / "fused", 4, 8, model.spec.num_layers)
-    model.allocate_kv_cache(num_blocks=8, block_size=4)
     slot = LoRAManager(model).activate([LoRARequest("split", 1, str(tmp_path / "split"))])[0]
     (ids,) = _prompts([10], seed=8)
     with torch.no_grad():
-        got = model(PagedKV(8, 4).step({0: ids}, {0: slot}, 1))
+        got = model(GroupedPagedKV(model, 8, 4).step({0: ids}, {0: slot}, 1))
     want = ref.logits(ids, fused)
     assert rel_err(got, want) < TOL
     assert rel_err(ref.logits(ids), want) > 1000 * TOL

@@ -1,5 +1,6 @@
 """Qwen2, Mistral and Phi-3 configs as transformers 5.x reads them: biases, per-layer sliding
-windows (and their refusal where they would change results), LongRoPE's fields and table."""
+windows (checked against the layers transformers' own config classes window), the windows a
+model applies at a context length, LongRoPE's fields and table."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_biases_follow_each_familys_code():
     assert llama.attention_bias and not llama.qkv_bias
 
 
-@pytest.mark.parametrize("changes,windows", [
+QWEN2_WINDOWS = [
     ({}, ()),  # use_sliding_window defaults to false
     ({"use_sliding_window": True, "max_window_layers": 2, "sliding_window": 48},
      (None, None, 48, 48)),
@@ -38,9 +39,44 @@ def test_biases_follow_each_familys_code():
     ({"use_sliding_window": True, "sliding_window": 40,
       "layer_types": ["sliding_attention", "full_attention"] * 2}, (40, None, 40, None)),
     ({"use_sliding_window": False, "sliding_window": 40, "max_window_layers": 0}, ()),
-], ids=["off", "max_window_layers", "default-window", "layer_types", "not-used"])
+    ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0}, ()),
+    ({"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 9},
+     (None,) * 4),
+]
+
+
+@pytest.mark.parametrize("changes,windows", QWEN2_WINDOWS,
+                         ids=["off", "max_window_layers", "default-window", "layer_types",
+                              "not-used", "null-window", "past-the-layers"])
 def test_qwen2_windows(changes, windows):
     assert spec("Qwen2ForCausalLM", **changes).layer_windows == windows
+
+
+def _hf_windows(arch: str, changes: dict) -> tuple[int | None, ...]:
+    """Each layer's window as transformers 5.x's modeling code applies it: Qwen2/Qwen3 the
+    config's sliding_window on its ``layer_types`` "sliding_attention" layers, Mistral and
+    Phi-3 config.sliding_window on every layer (their masks read nothing else)."""
+    from transformers import AutoConfig
+
+    from detlora.models.spec import SUPPORTED_ARCHITECTURES
+
+    cfg = AutoConfig.for_model(SUPPORTED_ARCHITECTURES[arch], **{**BASE, **changes})
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return tuple(cfg.sliding_window if t == "sliding_attention" else None
+                     for t in cfg.layer_types)
+    return (cfg.sliding_window,) * cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch,changes", [
+    *[("Qwen2ForCausalLM", c) for c, _ in QWEN2_WINDOWS],
+    *[("Qwen3ForCausalLM", c) for c, _ in QWEN2_WINDOWS[1:4]],
+    ("MistralForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": None}),
+    ("MistralForCausalLM", {"sliding_window": 48}),
+    ("Phi3ForCausalLM", {}), ("Phi3ForCausalLM", {"sliding_window": 2047}),
+])
+def test_windows_are_the_layers_transformers_windows(arch, changes):
+    got = spec(arch, **changes).layer_windows or (None,) * BASE["num_hidden_layers"]
+    assert got == _hf_windows(arch, changes)
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -65,17 +101,20 @@ def test_mistral_and_phi3_windows_on_every_layer():
         spec("LlamaForCausalLM", use_sliding_window=True)
 
 
-def test_windows_shorter_than_the_context_are_refused_by_name():
+def test_windows_a_model_applies_at_a_context_length():
+    """A window shorter than the longest sequence is applied; one that holds every sequence
+    is full attention bit for bit, and is dropped (the layer keeps every page)."""
     s = spec("Qwen2ForCausalLM", use_sliding_window=True, max_window_layers=2,
              sliding_window=48)
-    with pytest.raises(ValueError, match=r"sliding_window=48 \(on layers 2-3 of 4.*"
-                                         r"max_model_len=128.*max_model_len=48"):
-        attention_windows(s, 128)
+    assert attention_windows(s, 128) == (None, None, 48, 48)
+    assert attention_windows(s, 49) == (None, None, 48, 48)
     assert attention_windows(s, 48) == (None,) * 4  # every window holds the whole sequence
     mistral = spec("MistralForCausalLM", sliding_window=100)
-    with pytest.raises(ValueError, match="on every layer"):
-        attention_windows(mistral, 101)
+    assert attention_windows(mistral, 101) == (100,) * 4
     assert attention_windows(mistral, 100) == (None,) * 4
+    assert attention_windows(spec("MistralForCausalLM", sliding_window=None), 8) == (None,) * 4
+    with pytest.raises(ValueError, match="max_positions must be >= 1"):
+        attention_windows(mistral, 0)
 
 
 def _phi3(rope: dict, **changes) -> ModelSpec:

@@ -108,7 +108,7 @@ class DecoderForCausalLM(nn.Module):
         par = dict(kw, tp=self.tp)
         self.device = device
         # Per layer: the sliding window config.json's window fields ask for (Mistral, Qwen2,
-        # Phi-3; refused for now where it would matter: models/windows.py).
+        # Qwen3, Phi-3), None where it cannot matter at max_positions (models/windows.py).
         self.windows = attention_windows(spec, self.max_positions)
         # Each layer's attention: the spec's where layers differ (Gemma), else the uniform
         # one with the window above.

@@ -3,8 +3,8 @@
 Every field is checked on the raw JSON: numbers finite and in range, and checkpoint features
 the engine does not implement (quantized weights, soft-capping, partial rotary) refused by
 name: loading them as if they were plain weights would run garbage. Sliding windows are read
-per layer as each family's transformers code reads them (``_WINDOWS``); the model refuses
-those that would change results (``models/windows.py``).
+per layer as each family's transformers code reads them (``_WINDOWS``); the model applies
+them (``models/windows.py``).
 Then transformers' config class for the architecture reads the same JSON, and the dtype is
 taken as it normalises it (``torch_dtype`` in 4.x, ``dtype`` in 5.x). The rotary fields, in
 either spelling (``rope_theta`` + ``rope_scaling`` in 4.x, ``rope_parameters`` in 5.x), are
