@@ -174,12 +174,13 @@ def test_bad_window_and_head_dim_raise():
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="window must be a positive int"):
             _run(pa.paged_attention, data, kc, vc, tables, [(0, 0, 10)], bad)
-    q = torch.zeros(1, 2, 1024)
-    cache = torch.zeros(2, 4, 1, 1024)
-    with pytest.raises(ValueError, match=r"power of two in \[16, 512\]"):
-        pa.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
-                           torch.ones(1, dtype=torch.int32),
-                           torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    for d in (1024, 72, 8):  # too wide, not a multiple of 16, too narrow
+        q = torch.zeros(1, 2, d)
+        cache = torch.zeros(2, 4, 1, d)
+        with pytest.raises(ValueError, match=rf"multiple of 16 in \[16, 512\], got {d}"):
+            pa.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32),
+                               torch.tensor([0, 1], dtype=torch.int32), 1.0)
     # A used page before the window is checked; one wholly before it is not read.
     released = tables.clone()
     released[0, 0] = -1

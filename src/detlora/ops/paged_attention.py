@@ -23,6 +23,9 @@ Semantics:
             out = softmax(scale * q . K^T) @ V, fp32 accumulation, cast to q.dtype.
         With a window, block-table entries of pages before the first query's window are
         never read (the engine releases those pages and leaves -1 there).
+    D is a multiple of 16 in [16, 512]; the kernels hold a head in BLOCK_D = the next power of
+    two lanes, the padding lanes loaded as zeros in q, K and V and never stored (96 runs as
+    128 lanes, 32 of them zero), so they add exact zeros to every dot product.
 
     Batch invariance: a query row's bits depend only on its own KV, visited in blocks of a
     fixed size in position order (any split of the KV axis falls at fixed positions and is
@@ -147,6 +150,10 @@ def paged_attention_ref(
 
 BLOCK_N = 64  # keys per softmax update; fixed, part of the numerics
 MAX_HEAD_DIM = 512  # Gemma 4's full-attention layers
+# Head sizes are multiples of 16 (64, 80, 96, 128, 256, ...): the kernels pad a head to
+# BLOCK_D = the next power of two lanes (``head_lanes_width``), and a multiple of 16 keeps the
+# masked loads 16-byte vectors.
+HEAD_DIM_MULTIPLE = 16
 KV_SEGMENT = 512  # positions per KV segment; fixed, part of the numerics
 _TARGET_CTAS = 264  # 132 SMs (H100/H200), two CTAs each. Sizes grids only, never decides bits.
 # Split the KV axis only below this many (query tile, KV head) pairs: with more, one flattened
@@ -165,6 +172,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2E = 1.4426950408889634
 
 
+def head_lanes_width(head_dim: int) -> int:
+    """BLOCK_D: the lanes the kernels hold a head in, the next power of two >= head_dim (96
+    -> 128). A function of head_dim alone, so it is part of the numerics like the tile."""
+    return next_power_of_2(head_dim)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """How a query tile is laid out; a function of (head_dim, group) alone."""
@@ -178,12 +191,14 @@ class TileConfig:
 
 
 def tile_config(head_dim: int, group: int) -> TileConfig:
-    """The one tiling every call with this head_dim and GQA group uses (bits depend on it).
-    head_dim 512 (Gemma 4's full layers) takes the smallest tile that holds a query's GROUP
-    heads, one stage deep, eight warps: a 64-key block of K and of V is 64 KB each there, so
+    """The one tiling every call with this head_dim and GQA group uses (bits depend on it),
+    sized by the padded head (``head_lanes_width``: 96 tiles as 128 does). head_dim 512
+    (Gemma 4's full layers) takes the smallest tile that holds a query's GROUP heads, one
+    stage deep, eight warps: a 64-key block of K and of V is 64 KB each there, so
     a taller tile would not fit an SM's shared memory, and with four warps the [16, 512]
     accumulator and query spill registers (12.7 KB of spill stores in the sm_90 build, 0.8 KB
     with eight; docs/decisions.md, "Head dim 512")."""
+    head_dim = head_lanes_width(head_dim)
     if head_dim > 256:
         return TileConfig(block_m=max(16, next_power_of_2(group)), num_warps=8, num_stages=1)
     block_m = 64 if group <= 64 else 128
@@ -200,7 +215,7 @@ def decode_tile_config(head_dim: int, group: int) -> TileConfig | None:
     (``row_sum_64``); tests/gpu/test_paged_attention_gpu.py checks it bit for bit on the GPU.
     A 64-row tile wastes 61 of its rows on a decode step of 3 heads per KV head (see
     docs/decisions.md, "Attention decode tile")."""
-    if group > 16 or head_dim > 128:
+    if group > 16 or head_lanes_width(head_dim) > 128:
         return None
     return TileConfig(block_m=16, num_warps=4, num_stages=3)
 
@@ -319,6 +334,19 @@ def _table_pages(table_ptr, kpos, max_blocks, PAGE: tl.constexpr):
 
 
 @triton.jit
+def head_lanes(ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The mask of a [R, BLOCK_D] tile of head rows: rows where ``ok`` [R], and of a padded
+    head (BLOCK_D > HEAD_DIM) its HEAD_DIM real lanes only. A padding lane loads 0 in q, K
+    and V alike, so it adds exact zeros to q . k and gives zero columns of P @ V, which are
+    never stored: a row's bits are those of its real lanes, whatever BLOCK_D. [R, 1] when
+    no lane pads, so a power-of-two head compiles as before."""
+    mask = ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d < HEAD_DIM)[None, :]
+    return mask
+
+
+@triton.jit
 def attend_blocks(
     m,
     den,
@@ -342,6 +370,7 @@ def attend_blocks(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # lanes of a head: next power of two >= HEAD_DIM
     DOT_PRECISION: tl.constexpr,
     PREFETCH_PAGES: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -362,14 +391,14 @@ def attend_blocks(
         return attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first,
                                  blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale,
                                  stride_kb, stride_ks, stride_vb, stride_vs, window, PAGE,
-                                 BLOCK_N, HEAD_DIM, DOT_PRECISION, HAS_WINDOW)
+                                 BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, HAS_WINDOW)
     for blk in range(blk_lo, blk_hi):
         kpos = blk * BLOCK_N + offs_n
         page = _block_pages(table_ptr, kpos, ctx, max_blocks, PAGE).to(tl.int64)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                                   HAS_WINDOW)
+                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                   DOT_PRECISION, HAS_WINDOW)
     return m, den, acc
 
 
@@ -377,8 +406,8 @@ def attend_blocks(
 def attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first_pages, blk_lo,
                       blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks,
                       stride_vb, stride_vs, window, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """attend_blocks with PREFETCH_PAGES, given block blk_lo's pages (``first_pages``: from
     ``_block_pages`` or ``_table_pages``; past the context they only feed masked loads)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -389,8 +418,8 @@ def attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr, table_ptr, first_p
         next_page = _block_pages(table_ptr, kpos + BLOCK_N, ctx, max_blocks, PAGE)
         m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos,
                                    num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                                   HAS_WINDOW)
+                                   stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                   DOT_PRECISION, HAS_WINDOW)
     return m, den, acc
 
 
@@ -439,17 +468,20 @@ def row_sum_64(x):
 def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, num_pages,
                  qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, window,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                 BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):
     """One online-softmax update of (m, den, acc) with key block ``blk``, whose keys live in
     ``page`` ([BLOCK_N] int64, from ``_block_pages``); the other arguments as attend_blocks'.
-    A page entry < 0 (released, before every row's window) reads zeros."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    A page entry < 0 (released, before every row's window) reads zeros, and so do the padding
+    lanes of a head (``head_lanes``)."""
+    offs_d = tl.arange(0, BLOCK_D)
     kpos = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     # A page outside the cache (a caller's bug) reads zeros, never out of bounds.
     kv_ok = (kpos < ctx) & (page >= 0) & (page < num_pages)
     slot = kpos % PAGE
+    kv_mask = head_lanes(kv_ok, offs_d, HEAD_DIM, BLOCK_D)
     k = tl.load(k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
+                mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     # Causal: a row sees keys up to its own position (and so never past the context); with
     # a window, only the last ``window`` of them.
@@ -465,17 +497,17 @@ def attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx, pos, nu
     den = tl.fma(den, alpha, row_sum_64(p))
     # Rows past the context are zeros, so p = 0 there multiplies finite values only.
     v = tl.load(v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
+                mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return m_new, den, acc
 
 
 @triton.jit
-def _empty_segment(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _empty_segment(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """(max, sum, acc) of rows that saw no key yet: -inf, 0, 0 (``_merge``'s exact no-op)."""
     return (tl.full((ROWS,), float("-inf"), dtype=tl.float32), tl.zeros((ROWS,), dtype=tl.float32),
-            tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32))
+            tl.zeros((ROWS, BLOCK_D), dtype=tl.float32))
 
 
 @triton.jit
@@ -499,36 +531,38 @@ def _finish(big_a, big_den):
 
 @triton.jit
 def _load_partial(acc_ptr, ml_ptr, seg, n_segs, row_base, offs_d, ok, part_stride,
-                  HEAD_DIM: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Segment ``seg``'s partial for the rows at ``row_base`` (an empty one past n_segs)."""
     ok = ok & (seg < n_segs)
     idx = (tl.full((), 0, tl.int64) + seg) * part_stride + row_base
     m = tl.load(ml_ptr + 2 * idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
     den = tl.load(ml_ptr + 2 * idx + 1, mask=ok, other=0.0, cache_modifier=".cg")
-    a = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
-                other=0.0, cache_modifier=".cg")
+    a = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=head_lanes(ok, offs_d, HEAD_DIM, BLOCK_D), other=0.0, cache_modifier=".cg")
     return m, den, a
 
 
 @triton.jit
 def _store_partial(acc_ptr, ml_ptr, seg, part_stride, part_row, m, den, acc, row_ok, offs_d,
-                   HEAD_DIM: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Segment ``seg``'s (max, sum, acc) of the tile's live rows, for the split-KV fold."""
     idx = (tl.full((), 0, tl.int64) + seg) * part_stride + part_row
     tl.store(ml_ptr + 2 * idx, m, mask=row_ok)
     tl.store(ml_ptr + 2 * idx + 1, den, mask=row_ok)
-    tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=head_lanes(row_ok, offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
 def _load_partials(acc_ptr, ml_ptr, s0, n_segs, row_base, offs_d, ok, part_stride,
-                   HEAD_DIM: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Segments s0..s0+7's partials, a tuple of eight (m, den, acc): their loads go out
     together, before any fold waits on them."""
     parts = ()
     for j in tl.static_range(8):  # tuple concatenation: Triton's frontend has no *unpacking
         parts = parts + (_load_partial(acc_ptr, ml_ptr, s0 + j, n_segs,  # noqa: RUF005
-                                       row_base, offs_d, ok, part_stride, HEAD_DIM),)
+                                       row_base, offs_d, ok, part_stride, HEAD_DIM,
+                                       BLOCK_D),)
     return parts
 
 
@@ -580,6 +614,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -629,15 +664,16 @@ def _paged_attention_kernel(
                                        max_blocks, PAGE)
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     qi = offs_m // GROUP
     tok = q_start + q_lo + qi
     row_ok = (qi < BLOCK_Q) & (q_lo + qi < q_len) & (tok >= 0) & (tok < num_tokens)
     tok = tl.where(row_ok, tok, 0).to(tl.int64)
     head = kv_head * GROUP + offs_m % GROUP
     pos = ctx - q_len + q_lo + qi
+    row_lanes = head_lanes(row_ok, offs_d, HEAD_DIM, BLOCK_D)
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_lanes, other=0.0)
 
     k_head_ptr = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head_ptr = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
@@ -658,32 +694,32 @@ def _paged_attention_kernel(
             # exact no-ops), without the round trip through scratch; the others have no work.
             mine = 0
             if seg_first == seg_lo:
-                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+                m, den, acc = _empty_segment(BLOCK_M, BLOCK_D)
                 m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
                                                 table_ptr, first_pages, blk_start,
                                                 n_blocks, ctx, pos, max_blocks, num_pages,
                                                 qk_scale, stride_kb, stride_ks, stride_vb,
                                                 stride_vs, window, PAGE, BLOCK_N, HEAD_DIM,
-                                                DOT_PRECISION, HAS_WINDOW)
-                big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
+                                                BLOCK_D, DOT_PRECISION, HAS_WINDOW)
+                big_m, big_den, big_a = _empty_segment(BLOCK_M, BLOCK_D)
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
                 out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] \
                     + offs_d[None, :]
                 tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None])
+                         mask=row_lanes)
         for seg in range(seg_first, n_segs, seg_step):
             if n_live > 1:
-                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+                m, den, acc = _empty_segment(BLOCK_M, BLOCK_D)
                 blk_lo = tl.maximum(seg * seg_blocks, blk_start)
                 blk_hi = tl.minimum((seg + 1) * seg_blocks, n_blocks)
                 m, den, acc = attend_prefetched(m, den, acc, q, k_head_ptr, v_head_ptr,
                                                 table_ptr, first_pages, blk_lo, blk_hi, ctx,
                                                 pos, max_blocks, num_pages, qk_scale,
                                                 stride_kb, stride_ks, stride_vb, stride_vs,
-                                                window, PAGE, BLOCK_N, HEAD_DIM,
+                                                window, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D,
                                                 DOT_PRECISION, HAS_WINDOW)
                 _store_partial(part_acc_ptr, part_ml_ptr, seg, part_stride, part_row, m, den,
-                               acc, row_ok, offs_d, HEAD_DIM)
+                               acc, row_ok, offs_d, HEAD_DIM, BLOCK_D)
                 # the next segment of this CTA starts seg_step segments on
                 first_pages = _block_pages(table_ptr, (seg + seg_step) * seg_blocks
                                            * BLOCK_N + tl.arange(0, BLOCK_N), ctx, max_blocks,
@@ -692,8 +728,8 @@ def _paged_attention_kernel(
         # One pipelined loop over all key blocks: at each segment end the segment's
         # (m, den, acc) joins the running total and restarts, so the K/V pipeline never drains
         # between segments (the arithmetic of a block loop per segment, and faster).
-        big_m, big_den, big_a = _empty_segment(BLOCK_M, HEAD_DIM)
-        m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+        big_m, big_den, big_a = _empty_segment(BLOCK_M, BLOCK_D)
+        m, den, acc = _empty_segment(BLOCK_M, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         for blk in range(blk_start, n_blocks):
             page = _block_pages(table_ptr, blk * BLOCK_N + offs_n, ctx, max_blocks,
@@ -701,15 +737,15 @@ def _paged_attention_kernel(
             m, den, acc = attend_block(m, den, acc, q, k_head_ptr, v_head_ptr, page, blk, ctx,
                                        pos, num_pages, qk_scale, stride_kb, stride_ks,
                                        stride_vb, stride_vs, window, PAGE, BLOCK_N, HEAD_DIM,
-                                       DOT_PRECISION, HAS_WINDOW)
+                                       BLOCK_D, DOT_PRECISION, HAS_WINDOW)
             if ((blk + 1) % seg_blocks == 0) | (blk + 1 == n_blocks):
                 big_m, big_den, big_a = _merge(big_m, big_den, big_a, m, den, acc)
-                m, den, acc = _empty_segment(BLOCK_M, HEAD_DIM)
+                m, den, acc = _empty_segment(BLOCK_M, BLOCK_D)
 
     if not SPLIT:
         out_ptrs = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
         tl.store(out_ptrs, _finish(big_a, big_den).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+                 mask=row_lanes)
     else:
         if mine > 0:
             # Every partial of this CTA is written before the counter moves (CTA barrier, then
@@ -727,17 +763,17 @@ def _paged_attention_kernel(
                     t = tl.where(ok, t, 0)
                     h = kv_head * GROUP + r % GROUP
                     base = t * num_q_heads + h
-                    tot_m, tot_den, tot_a = _empty_segment(MERGE_ROWS, HEAD_DIM)
+                    tot_m, tot_den, tot_a = _empty_segment(MERGE_ROWS, BLOCK_D)
                     # Eight segments' loads in flight, then eight folds in order (a fold past
                     # n_segs is an exact no-op): the fold waits on L2 once per eight segments.
                     # (Sixteen in flight measured no faster.)
                     for s0 in range(seg_lo, n_segs, 8):
                         parts = _load_partials(part_acc_ptr, part_ml_ptr, s0, n_segs, base,
-                                               offs_d, ok, part_stride, HEAD_DIM)
+                                               offs_d, ok, part_stride, HEAD_DIM, BLOCK_D)
                         tot_m, tot_den, tot_a = _fold_partials(tot_m, tot_den, tot_a, parts)
                     out_ptrs = out_ptr + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :]
                     tl.store(out_ptrs, _finish(tot_a, tot_den).to(out_ptr.dtype.element_ty),
-                             mask=ok[:, None])
+                             mask=head_lanes(ok, offs_d, HEAD_DIM, BLOCK_D))
                 tl.store(counter_ptr + tile_id, 0)  # self-reset: no init launch next call
 
 
@@ -804,8 +840,9 @@ def check_attention_args(
     check_shape("v_cache", v_cache, k_cache.shape)
     if dk != d:
         raise ValueError(f"k_cache head_dim {dk} must match q head_dim {d}")
-    if d < 16 or d > MAX_HEAD_DIM or d & (d - 1):
-        raise ValueError(f"q head_dim must be a power of two in [16, {MAX_HEAD_DIM}], got {d}")
+    if d < 16 or d > MAX_HEAD_DIM or d % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"q head_dim must be a multiple of {HEAD_DIM_MULTIPLE} in [16, "
+                         f"{MAX_HEAD_DIM}], got {d}")
     if hk < 1 or hq % hk:
         raise ValueError(f"q has {hq} heads, not a multiple of k_cache's {hk} KV heads")
     if hq // hk > 128:
@@ -1083,7 +1120,8 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         PAGE=problem.page_size, GROUP=problem.group, HEAD_DIM=problem.head_dim,
-        BLOCK_M=cfg.block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        BLOCK_D=head_lanes_width(problem.head_dim), BLOCK_M=cfg.block_m, BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N,
         # Constexprs a path does not read are pinned, so they make no extra variants.
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs) if search else 128,
         SPLIT=ctas > 1,
@@ -1098,6 +1136,7 @@ def paged_attention(
 __all__ = [
     "BLOCK_N",
     "COUNTERS",
+    "HEAD_DIM_MULTIPLE",
     "INDEX_POINTERS",
     "KV_SEGMENT",
     "STEP_INTS",
@@ -1105,6 +1144,8 @@ __all__ = [
     "check_write_kv_args",
     "decode_tile_config",
     "default_kv_ctas",
+    "head_lanes",
+    "head_lanes_width",
     "numerics_config",
     "paged_attention",
     "paged_attention_ref",

@@ -25,6 +25,8 @@ from detlora.ops.paged_attention import (
     attend_blocks,
     check_attention_args,
     find_tile,
+    head_lanes,
+    head_lanes_width,
     search_block,
     tile_config,
     tile_slots,
@@ -70,6 +72,7 @@ def _split_kv_kernel(
     PAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,18 +111,19 @@ def _split_kv_kernel(
         blk_hi = n_blocks
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     qi = offs_m // GROUP
     tok = q_start + q_lo + qi
     row_ok = (qi < BLOCK_Q) & (q_lo + qi < q_len) & (tok >= 0) & (tok < num_tokens)
     tok = tl.where(row_ok, tok, 0).to(tl.int64)
     head = kv_head * GROUP + offs_m % GROUP
     pos = ctx - q_len + q_lo + qi
+    row_lanes = head_lanes(row_ok, offs_d, HEAD_DIM, BLOCK_D)
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_lanes, other=0.0)
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # Pages read a block ahead only when the KV axis is split: few query tiles, so each CTA's
     # latency is what counts (see attend_blocks).
     m, den, acc = attend_blocks(
@@ -128,7 +132,7 @@ def _split_kv_kernel(
         v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
         block_tables_ptr + seq.to(tl.int64) * stride_bt,
         blk_lo, blk_hi, ctx, pos, max_blocks, num_pages, qk_scale, stride_kb, stride_ks, stride_vb,
-        stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, DOT_PRECISION, SPLIT, HAS_WINDOW,
+        stride_vs, window, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, SPLIT, HAS_WINDOW,
     )
     if SPLIT:
         # Every split stores, empty ones too (max -inf, sum 0), so the combine reads them all.
@@ -136,12 +140,11 @@ def _split_kv_kernel(
             + tok * num_q_heads + head
         tl.store(part_ml_ptr + 2 * idx, m, mask=row_ok)
         tl.store(part_ml_ptr + 2 * idx + 1, den, mask=row_ok)
-        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_ok[:, None])
+        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_lanes)
     else:
         out = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_lanes)
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_tokens"])
@@ -155,6 +158,7 @@ def _combine_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -162,7 +166,7 @@ def _combine_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     ok = offs_s < num_splits
     idx = offs_s.to(tl.int64) * (num_tokens * num_q_heads) + t * num_q_heads + h
     m = tl.load(part_ml_ptr + 2 * idx, mask=ok, other=float("-inf"))
@@ -170,16 +174,19 @@ def _combine_kernel(
     big_m = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - big_m))
     total = tl.sum(den * w, axis=0)
-    acc = tl.load(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None],
-                  other=0.0)
+    acc = tl.load(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=head_lanes(ok, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / total
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty))
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d
+    if BLOCK_D == HEAD_DIM:
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
+    else:  # a padded head: its real lanes only
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def split_kv_config(head_dim: int, group: int, decode_only: bool) -> tuple[int, int, int]:
     """(BLOCK_M, num_warps, num_stages): a 16-row tile when every query is a decode step."""
-    if decode_only and group <= 16 and head_dim <= 256:
+    if decode_only and group <= 16 and head_lanes_width(head_dim) <= 256:
         return 16, 4, 3
     cfg = tile_config(head_dim, group)
     return cfg.block_m, cfg.num_warps, cfg.num_stages
@@ -250,7 +257,8 @@ def paged_attention_split_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         PAGE=problem.page_size, GROUP=group, HEAD_DIM=problem.head_dim,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        BLOCK_D=head_lanes_width(problem.head_dim), BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=BLOCK_N,
         SEARCH=search, BLOCK_B=search_block(problem.num_seqs) if search else 128,
         SPLIT=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -261,7 +269,8 @@ def paged_attention_split_kv(
         _combine_kernel[(problem.num_tokens, problem.num_q_heads)](
             part_acc, part_ml, out, splits, problem.num_tokens, problem.num_q_heads,
             out.stride(0), out.stride(1),
-            HEAD_DIM=problem.head_dim, SPLITS_P2=next_power_of_2(splits), num_warps=4,
+            HEAD_DIM=problem.head_dim, BLOCK_D=head_lanes_width(problem.head_dim),
+            SPLITS_P2=next_power_of_2(splits), num_warps=4,
             **pdl_kwargs(q),
         )
     return out
