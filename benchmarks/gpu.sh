@@ -18,6 +18,9 @@
 #                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
 #                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
 #                     gemma-tests (sliding-window / head_dim 512 kernels, Gemma engines)
+#                     head-dim-tests (head_dim 96 / 80 beside 128: attention, rotary and
+#                     KV-write kernels bit for bit; then the Qwen2 / Mistral / Phi-3 engines
+#                     with windows, Mistral at head_dim 80 and Phi-3 at 96)
 #   suites            kernels kernels-quick sweep (LoRA kernels) | ops ops-matmul
 #                     ops-attention (batch-invariant ops) | engine | prefix-cache | profile
 #                     profile-levels profile-small (SmolLM2, Qwen3-0.6B shapes) profile-bi-large profile-overlap profile-adapters
@@ -153,7 +156,7 @@ for step in "${steps[@]}"; do
     tests-kernels) gpu_tests gpu_tests_kernels.log 45 tests/gpu/test_lora_kernels_gpu.py \
                      tests/gpu/test_matmul_gpu.py tests/gpu/test_paged_attention_gpu.py \
                      tests/gpu/test_rowwise_ops_gpu.py tests/gpu/test_pdl_gpu.py \
-                     --durations=15 || status=1 ;;
+                     tests/gpu/test_head_dim_gpu.py --durations=15 || status=1 ;;
     tests-engine) gpu_tests gpu_tests_engine.log 45 tests/gpu/test_engine_gpu.py \
                     tests/gpu/test_models_gpu.py tests/gpu/test_sampling_gpu.py \
                     tests/gpu/test_demo_gpu.py tests/gpu/test_multi_lora_gpu.py \
@@ -182,6 +185,8 @@ for step in "${steps[@]}"; do
                    || status=1 ;;
     nemotron-tests) gpu_tests gpu_tests_nemotron.log 25 tests/gpu/test_nemotron_h_gpu.py \
                       --durations=10 || status=1 ;;
+    head-dim-tests) gpu_tests gpu_tests_head_dim.log 25 tests/gpu/test_head_dim_gpu.py \
+                      tests/gpu/test_bases_gpu.py --durations=10 || status=1 ;;
     multi-lora-tests) gpu_tests gpu_tests_multi_lora.log 25 tests/gpu/test_multi_lora_gpu.py \
                         --durations=10 || status=1 ;;
     tensor-parallel-tests) gpu_tests gpu_tests_tensor_parallel.log 25 \

@@ -1,6 +1,8 @@
-"""Qwen2 (q/k/v biases), Mistral (head_dim apart from hidden / heads) and Phi-3 (fused
-qkv_proj / gate_up_proj, an adapter on the fused modules, LongRoPE with prompts on both sides
-of the original context) on CUDA in bf16: every level generates; at batch_invariant each
+"""Qwen2 (q/k/v biases; sliding windows on layers 1-2, layer 0 full), Mistral (head_dim 80,
+apart from hidden / heads; a window on every layer) and Phi-3 (head_dim 96 as in
+Phi-3-mini; fused qkv_proj / gate_up_proj, an adapter on the fused modules, LongRoPE with
+prompts on both sides of the original context, a window on every layer) on CUDA in bf16,
+windows shorter than most prompts: every level generates; at batch_invariant each
 request's token ids and logprobs are the same bits alone and in batches of 4 and 16, reversed,
 eager or with CUDA graphs (run ahead), chunked with preemption, and from the prefix cache;
 the base model's logprobs are transformers' (fp32) within bf16's error.
@@ -32,10 +34,13 @@ VOCAB, ORIGINAL = 2000, 64
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3,
              num_attention_heads=9, num_key_value_heads=3, vocab_size=VOCAB,
              max_position_embeddings=512, initializer_range=0.05)
-EXTRA = {"qwen2": {},
-         "mistral": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96),
-         "phi3": dict(rope_parameters=longrope_parameters(64, ORIGINAL),
+EXTRA = {"qwen2": dict(use_sliding_window=True, sliding_window=48, max_window_layers=1),
+         "mistral": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=80,
+                         sliding_window=40),
+         "phi3": dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=56,
+                      rope_parameters=longrope_parameters(96, ORIGINAL),
                       original_max_position_embeddings=ORIGINAL)}
+GROUP_WINDOWS = {"qwen2": [None, 48], "mistral": [40], "phi3": [56]}  # the KV groups' windows
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +100,7 @@ def test_batch_invariant_in_every_condition(assets, arch):
     params, mixed = _params(n), [loras[k % 2] if k % 3 else None for k in range(n)]
     llm = _llm(base, determinism="batch_invariant")
     assert llm.engine.runner.uses_cuda_graphs, llm.engine.runner.graph_error
+    assert [g.window for g in llm.engine.model.kv_groups] == GROUP_WINDOWS[arch]
     ref = _batched(llm, prompts, params, mixed, 1)
     for size in (4, 16):
         assert _diff(_batched(llm, prompts, params, mixed, size), ref) == [], size
