@@ -251,6 +251,9 @@ class DemoModel:
 
 
 REAL_RANK = 8
+# Tokens of the demo's largest step (its prompts are a few dozen tokens): bounds the step
+# graphs a GPU engine captures at start.
+_DEMO_STEP_TOKENS = 512
 
 
 def prepare_model(model: str, root: Path, *, dtype: torch.dtype) -> DemoModel:
@@ -340,8 +343,10 @@ def run_demo(
             "compared bit for bit")
         for li, level in enumerate(levels):
             # The checks below recompute every prompt; the last one turns the cache on.
-            llm = LLM(model_dir, determinism=level, max_num_seqs=64,
-                      enable_prefix_caching=False, **lora_args, **engine)
+            # CUDA graphs for the demo's few sequences only: each graph is a capture at start.
+            llm = LLM(model_dir, determinism=level, enable_prefix_caching=False, **lora_args,
+                      **{"max_num_seqs": n, "max_num_batched_tokens": _DEMO_STEP_TOKENS,
+                         **engine})
             alone = [llm.generate(prompts[k], params[k], mixed[k], use_tqdm=False)[0]
                      for k in range(n)]
             if li == 0:
@@ -372,9 +377,11 @@ def run_demo(
             record("mixed adapters in one batch vs alone", full)
             # Room for one sequence at a time, so that others are preempted.
             longest = max(len(o.prompt_token_ids) for o in alone) + max_tokens
+            # Eager steps: the engines below check scheduling, not graphs (at batch_invariant
+            # an eager step has a graph's bits), and skip a capture each.
             small = LLM(model_dir, determinism=level, num_kv_blocks=max(16, longest // 4 + 2),
                         block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
-                        **lora_args, **engine)
+                        **lora_args, **{**engine, "enforce_eager": True})
             pre = small.generate(prompts, params, mixed, use_tqdm=False)
             record("preempted, chunked vs alone", pre,
                    note=f"{small.engine.scheduler.num_preemptions} preemptions")
@@ -385,9 +392,10 @@ def run_demo(
                           for k in range(n)]
             # A fixed KV cache: on a GPU ``llm`` still holds most of the memory.
             longest = max(len(t) for t in turns) + max_tokens
-            cached = LLM(model_dir, determinism=level, max_num_seqs=64,
+            cached = LLM(model_dir, determinism=level, max_num_seqs=n,
                          num_kv_blocks=max(256, 2 * n * (longest // 16 + 1)),
-                         enable_prefix_caching=True, **lora_args, **engine)
+                         enable_prefix_caching=True, **lora_args,
+                         **{**engine, "enforce_eager": True})
             cached.generate(prompts, params, mixed, use_tqdm=False)
             reused = cached.generate(turns, params, mixed, use_tqdm=False)
             hits = sum(o.num_cached_tokens for o in reused)
