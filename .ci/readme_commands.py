@@ -1,6 +1,7 @@
 """Run the commands README.md shows, as a new user would, in the current (extras-free)
 virtualenv: the main job exactly as written, then the demo's saved assets, the Python example,
-`detlora generate --json`, `detlora serve` with the demo's adapters and `detlora study --quick`.
+`detlora generate --json`, `detlora serve` with the demo's adapters (and an audit log that
+`detlora verify` replays) and `detlora study --quick`.
 
 Used by .ci/run before the test virtualenv is made, so a dependency the README's commands need
 but only the test extra brings fails CI. Standard library only: the venv has no test tools.
@@ -50,10 +51,11 @@ def run(what: str, cmd: str | list[str], *, cwd: Path, timeout: float) -> str:
     return done.stdout
 
 
-def check_serve(cmd: str, cwd: Path) -> None:
-    """README's serve command on a free port: one completion from an adapter, then SIGTERM."""
+def check_serve(cmd: str, cwd: Path, audit: Path) -> None:
+    """README's serve command on a free port, with an audit log: one completion from an
+    adapter, then SIGTERM."""
     key = re.search(r"--api-key (\S+)", cmd)
-    argv = [*cmd.split(), "--port", "0"]
+    argv = [*cmd.split(), "--port", "0", "--audit-log", str(audit)]
     print(f"\n== serve: {' '.join(argv)}", flush=True)
     log = cwd / "serve.log"
     with open(log, "w") as out:
@@ -118,7 +120,10 @@ def main() -> None:
     if len(lines) != 2 or not all(x.get("token_ids") and x.get("fingerprint") for x in lines):
         sys.exit(f"README generate --json gave {len(lines)} JSON lines, expected 2 with "
                  "token_ids and fingerprint")
-    check_serve(readme_line(r"^detlora serve"), work)
+    check_serve(readme_line(r"^detlora serve smollm2"), work, work / "audit")
+    verify = readme_line(r"^detlora verify")
+    run("verify the audit log", [*verify.split()[:2], str(work / "audit")], cwd=work,
+        timeout=900)
     study = readme_line(r"detlora study .*--quick")
     run("study --quick", study, cwd=work, timeout=1200)
     print(f"\nREADME commands: all passed ({work})")
