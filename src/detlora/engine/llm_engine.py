@@ -344,10 +344,11 @@ class LLMEngine:
             "CUDA graphs" if self.runner.uses_cuda_graphs else "eager",
             self.fingerprint_of(None))
         if getattr(self.runner, "state_cache", None) is not None:
-            logger.info("state cache: %d slots of %.1f MiB (%.2f GiB) for the Mamba-2 layers, "
+            logger.info("state cache: %d slots of %s (%s) for the Mamba-2 layers, "
                         "chunk grid of %d positions", self.runner.state_cache.num_slots,
-                        self.model.state_bytes_per_slot() / 2**20,
-                        self.runner.state_cache.nbytes / 2**30, self.model.mamba_chunk_size)
+                        kv_sizing.size_text(self.model.state_bytes_per_slot()),
+                        kv_sizing.size_text(self.runner.state_cache.nbytes),
+                        self.model.mamba_chunk_size)
 
     # ---- setup ----
 

@@ -11,9 +11,13 @@ sliding-window group, the pages its sequences can hold at once (``window_pages``
 running sequence's window plus a step's new tokens, so a window group never runs out), and
 the rest of the room in group 0 (the full-attention layers'); the sizes above count group 0.
 Layers that read another layer's K/V count nothing.
-Hybrid models also hold a state cache of ``max_num_seqs`` slots (``models/state_cache.py``),
-allocated by the runner, so the profiled peak counts it; before profiling, ``state_room``
-refuses a ``max_num_seqs`` whose states alone do not fit, naming the largest that does.
+Hybrid models also hold a state cache of ``max_num_seqs + 1`` slots
+(``models/state_cache.py``), allocated by the runner, so the profiled peak counts it; before
+profiling, ``state_room`` refuses a ``max_num_seqs`` whose states alone do not fit, naming
+the largest that does. Both budgets are the allowance less this process's live tensors and
+the memory outside PyTorch, measured once the caching allocator has emptied its cache
+(``memory_use``): blocks it keeps from freed tensors (an earlier test's, say) count for
+neither, while an earlier engine still alive counts for both.
 """
 
 from __future__ import annotations
@@ -109,28 +113,51 @@ def profile_step(*, max_num_batched_tokens: int, max_num_seqs: int, max_model_le
                       [q - 1 for q in qsl[1:]], state_slots=list(range(len(lens))))
 
 
-def state_room(model: torch.nn.Module, *, max_num_seqs: int, budget: int) -> int:
+def size_text(n: int) -> str:
+    """Bytes in the largest of GiB, MiB and KiB that keeps a unit or more (a tiny model's
+    state is KiB, not "0.0 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def state_room(model: torch.nn.Module, *, max_num_seqs: int, budget: int,
+               holders: str = "") -> int:
     """Bytes of a hybrid model's state cache (0 for other models): a slot per sequence and
     one for the decode graphs' padding rows, logged; ValueError when they exceed ``budget``
-    (bytes left under gpu_memory_utilization once the weights are loaded), naming the most
-    sequences that fit."""
+    (bytes left under gpu_memory_utilization by this process's live tensors, the weights
+    among them, and the memory outside PyTorch), naming the most sequences that fit, or,
+    when not one does, ``holders`` (``no_room_message``: who has the memory)."""
     per_seq = getattr(model, "state_bytes_per_slot", lambda: 0)()
     if not per_seq:
         return 0
     total = per_seq * (max_num_seqs + 1)
-    logger.info("state cache: %d slots (max_num_seqs + 1) x %.1f MiB = %.2f GiB of Mamba-2 "
-                "state (conv state, fp32 SSM state, open-chunk rows), counted before the KV "
-                "pages", max_num_seqs + 1, per_seq / 2**20, total / 2**30)
-    if total > budget:
-        fit = max(max(budget, 0) // per_seq - 1, 0)
-        raise ValueError(
-            f"max_num_seqs={max_num_seqs} needs {total / 2**30:.2f} GiB of Mamba-2 state "
-            f"({per_seq / 2**20:.1f} MiB per sequence: conv state, fp32 SSM state and the "
-            f"open chunk's rows of every Mamba layer) but gpu_memory_utilization leaves "
-            f"{max(budget, 0) / 2**30:.2f} GiB after the weights: lower max_num_seqs to at "
-            f"most {fit} (fewer, to leave room for KV pages and activations) or raise "
-            "gpu_memory_utilization")
-    return total
+    logger.info("state cache: %d slots (max_num_seqs + 1) x %s = %s of Mamba-2 state (conv "
+                "state, fp32 SSM state, open-chunk rows), counted before the KV pages",
+                max_num_seqs + 1, size_text(per_seq), size_text(total))
+    if total <= budget:
+        return total
+    need = (f"max_num_seqs={max_num_seqs} needs {size_text(total)} of Mamba-2 state "
+            f"({size_text(per_seq)} per sequence: conv state, fp32 SSM state and the open "
+            f"chunk's rows of every Mamba layer) but gpu_memory_utilization leaves "
+            f"{size_text(max(budget, 0))} after the weights")
+    fit = max(budget, 0) // per_seq - 1
+    if fit >= 1:
+        raise ValueError(f"{need}: lower max_num_seqs to at most {fit} (fewer, to leave room "
+                         "for KV pages and activations) or raise gpu_memory_utilization")
+    raise ValueError(f"{need}, not one sequence's: "
+                     + (holders or "raise gpu_memory_utilization or free GPU memory"))
+
+
+def memory_use(device: torch.device) -> tuple[int, int, int]:
+    """(free, total, other) bytes of the device once the caching allocator has given back
+    what no live tensor uses (memory an earlier step or test freed); ``other``: what lies
+    outside PyTorch's allocator (CUDA context, cuBLAS workspaces, other processes)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return free, total, max(total - free - torch.cuda.memory_reserved(device), 0)
 
 
 def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.device,
@@ -144,11 +171,18 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
                         max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         block_size=block_size)
     scratch_blocks = max(max(row) for row in step.block_tables) + 1
-    free, total = torch.cuda.mem_get_info(device)
+    # The state cache is checked against what the KV pages get below: the allowance less
+    # this process's live tensors and the memory outside PyTorch (not less the cached
+    # blocks that no tensor holds).
+    free, total, other = memory_use(device)
+    live = torch.cuda.memory_allocated(device)
     state_room(model, max_num_seqs=max_num_seqs,
-               budget=int(total * gpu_memory_utilization) - (total - free))
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+               budget=int(total * gpu_memory_utilization) - live - other,
+               holders=no_room_message(
+                   total=total, free=free, gpu_memory_utilization=gpu_memory_utilization,
+                   allocated_before=allocated_before, other=other,
+                   engine_peak=live - allocated_before, max_num_batched_tokens=None,
+                   what="the Mamba-2 state"))
     torch.cuda.reset_peak_memory_stats(device)
     runner = runner_factory(scratch_blocks)
     runner.execute(step, decode_only=False)
@@ -157,19 +191,16 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
     del runner
     # The peak counts the throw-away state cache; the real runner's replaces it (not beside).
     getattr(model, "release_state_cache", lambda: None)()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    # Non-torch allocations (CUDA context, cuBLAS workspaces) count against the total too.
-    other = total - free - torch.cuda.memory_reserved(device)
-    # The peak keeps the throw-away cache in: the model holds it until the real one is bound.
-    budget = int(total * gpu_memory_utilization) - peak - max(other, 0)
+    free, total, other = memory_use(device)
+    # The peak keeps the throw-away state cache in, which the real one replaces.
+    budget = int(total * gpu_memory_utilization) - peak - other
     budget -= fixed_bytes(model, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens)
     num = budget // block_bytes(model, block_size)
     if num < 1:
         raise ValueError(no_room_message(
             total=total, free=free, gpu_memory_utilization=gpu_memory_utilization,
-            allocated_before=allocated_before, other=max(other, 0),
+            allocated_before=allocated_before, other=other,
             engine_peak=peak - allocated_before,
             max_num_batched_tokens=max_num_batched_tokens))
     return int(num)
@@ -177,26 +208,32 @@ def cuda_num_blocks(runner_factory, model: torch.nn.Module, *, device: torch.dev
 
 def no_room_message(*, total: int, free: int, gpu_memory_utilization: float,
                     allocated_before: int, other: int, engine_peak: int,
-                    max_num_batched_tokens: int) -> str:
-    """Why the KV cache found no room, the largest holder of the memory first: this
-    process's earlier allocations (an engine not shut down), other processes, or this
-    engine's model and profiling step. Byte counts in, one sentence out."""
+                    max_num_batched_tokens: int | None, what: str = "the KV cache") -> str:
+    """Why ``what`` found no room, the largest holder of the memory first: this process's
+    earlier allocations (an engine not shut down), other processes, or this engine's model
+    (and its profiling step of ``max_num_batched_tokens`` tokens, None before profiling).
+    Byte counts in, one sentence out."""
 
     def gib(n: int) -> str:
         return f"{n / 2**30:.2f} GiB"
 
+    if max_num_batched_tokens is None:
+        own = (f"this engine's model takes {gib(engine_peak)} (weights, adapter slots, "
+               "kernel workspaces)")
+    else:
+        own = (f"this engine's model and a profiling step of {max_num_batched_tokens} "
+               f"tokens peak at {gib(engine_peak)} (lower max_num_batched_tokens, or raise "
+               "gpu_memory_utilization)")
     holders = [
         (allocated_before, f"{gib(allocated_before)} were already allocated by this process "
          "before this engine was built (an earlier engine or tensors still alive: call "
          "shutdown() on an LLM you are done with, or drop every reference to it)"),
         (other, f"{gib(other)} are used outside PyTorch's allocator (other processes on this "
          "GPU, the CUDA context)"),
-        (engine_peak, f"this engine's model and a profiling step of {max_num_batched_tokens} "
-         f"tokens peak at {gib(engine_peak)} (lower max_num_batched_tokens, or raise "
-         "gpu_memory_utilization)"),
+        (engine_peak, own),
     ]
     holders.sort(key=lambda h: -h[0])
-    return (f"no GPU memory left for the KV cache: gpu_memory_utilization="
+    return (f"no GPU memory left for {what}: gpu_memory_utilization="
             f"{gpu_memory_utilization} allows {gib(int(total * gpu_memory_utilization))} of "
             f"{gib(total)}, and {gib(free)} are free now; "
             + "; ".join(text for _, text in holders))
