@@ -274,3 +274,30 @@ def test_serve_refuses_a_port_in_use_before_starting_the_engine(tmp_path, capsys
     assert main(["serve", str(tmp_path), "--device", "cpu", "--port", "65536"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("detlora serve: error: port must be an int in [0, 65535]"), err
+
+
+@pytest.mark.parametrize("model", ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_serve_takes_the_model_names_generate_takes(capsys, model):
+    """README's ``detlora serve smollm2`` and Hub ids pass the name check (which runs before
+    the port is bound: a taken port is the error they reach, with no download or engine)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", model, "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"detlora serve: error: cannot listen on 127.0.0.1:{port}: " \
+        "Address already in use", err
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ("/no/such/model", "model directory /no/such/model does not exist"),
+    ("/no/such/model.gguf", "GGUF file /no/such/model.gguf does not exist"),
+])
+def test_serve_refuses_a_model_that_names_nothing(capsys, model, message):
+    assert main(["serve", model, "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("detlora serve: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1

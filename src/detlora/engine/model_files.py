@@ -15,7 +15,7 @@ from pathlib import Path
 from detlora.engine.llm_engine import conversion_dtype, resolve_device
 from detlora.engine.tokenizer import has_tokenizer
 from detlora.engine_args import EngineArgs
-from detlora.models.sources import hub_model_dir, is_hub_id, resolve_model
+from detlora.models.sources import check_model_source, hub_model_dir, is_hub_id, resolve_model
 from detlora.models.spec import ModelSpec
 
 
@@ -30,6 +30,14 @@ class ModelFiles:
 
 # The embedded real model's name (``detlora.models.embedded``).
 EMBEDDED_MODEL = "smollm2"
+
+
+def check_model_name(model: str) -> None:
+    """Raise the error ``resolve_model_files`` would for a model name that names nothing,
+    without downloading or converting (the server checks before it binds its port)."""
+    if model == EMBEDDED_MODEL and not Path(model).exists():
+        return
+    check_model_source(model)
 
 
 def resolve_model_files(args: EngineArgs) -> ModelFiles:

@@ -60,6 +60,7 @@ def resolve_model(model: str, *, revision: str | None = None,
                   download_dir: str | None = None,
                   dtype: torch.dtype = torch.float32) -> Path:
     """The local model directory for ``model`` (see the module doc)."""
+    check_model_source(model)
     path = Path(model).expanduser()
     if path.is_dir():
         for what, value in (("revision", revision), ("download_dir", download_dir)):
@@ -68,15 +69,25 @@ def resolve_model(model: str, *, revision: str | None = None,
                                  "a local directory")
         return path
     if path.suffix == ".gguf":
+        return gguf_model_dir(path, dtype)
+    return hub_model_dir(model, revision=revision, download_dir=download_dir)
+
+
+def check_model_source(model: str) -> None:
+    """Raise what ``resolve_model`` would for a name that is no local directory, existing
+    ``.gguf`` file or Hub id; download and convert nothing."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return
+    if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {model} does not exist")
-        return gguf_model_dir(path, dtype)
+        return
     if path.exists():
         raise ValueError(f"model {model} is a file, not a model directory or a .gguf file")
-    if is_hub_id(model):
-        return hub_model_dir(model, revision=revision, download_dir=download_dir)
-    raise FileNotFoundError(f"model directory {model} does not exist (nor is it a Hub id "
-                            "org/name or a .gguf file)")
+    if not is_hub_id(model):
+        raise FileNotFoundError(f"model directory {model} does not exist (nor is it a Hub id "
+                                "org/name or a .gguf file)")
 
 
 def hub_model_dir(repo_id: str, *, revision: str | None = None,

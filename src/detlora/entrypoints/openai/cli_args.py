@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("model", help="a model directory, a Hub id (org/name), a .gguf file or "
+                   "'smollm2' (the embedded SmolLM2-135M-Instruct)")
     from detlora.engine_args import EngineArgs
 
     # The engine's options, as LLM() and every other command take them.
@@ -82,8 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from detlora.entrypoints.openai.server_config import ServerConfig
 
     try:
-        if not Path(args.model).is_dir():
-            raise FileNotFoundError(f"model directory {args.model} does not exist")
+        from detlora.engine.model_files import check_model_name
+
+        check_model_name(args.model)  # a typo is an error now, not after the port is bound
         if args.audit_log is not None:  # a directory it cannot write: now, not after loading
             from detlora.audit.writer import prepare_directory
 
