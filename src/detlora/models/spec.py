@@ -165,8 +165,10 @@ class ModelSpec:
             return cls(**gemma_spec_fields(cfg, arch, SUPPORTED_ARCHITECTURES[arch], source))
         _refuse_unsupported(cfg, source)
         if arch == "NemotronHForCausalLM":
+            # Read without transformers' NemotronHConfig, which 4.x lacks and 5.3-5.5 fail
+            # on MLP layers ("-" in the pattern) with; only the dtype would come from it.
             fields, read = nemotron_h_fields(cfg, source, _Reader, _token_ids, _MAX_TOKENS)
-            return cls(**fields, dtype=_dtype(read, arch, source))
+            return cls(**fields, dtype=_named_dtype(read, source))
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")
         kv_heads = r.int("num_key_value_heads", default=heads)
@@ -419,13 +421,22 @@ def _transformers_config(cfg: Mapping[str, Any], arch: str, source: str) -> Any:
                          f"{e})") from e
 
 
-def _dtype(cfg: Mapping[str, Any], arch: str, source: str) -> torch.dtype:
-    """The checkpoint's dtype as transformers reads it (``dtype``, else ``torch_dtype``;
-    float32 when config.json names none)."""
+def _named_dtype(cfg: Mapping[str, Any], source: str) -> torch.dtype:
+    """The dtype config.json names, as transformers reads it (``dtype``, else
+    ``torch_dtype``; float32 when it names none); refused by name outside ``_DTYPES``."""
     for key in ("dtype", "torch_dtype"):  # refused by name (transformers would raise on some)
         name = cfg.get(key)
         if name is not None and (not isinstance(name, str) or name not in _DTYPES):
             raise ValueError(f"{source}: dtype {name!r} is not supported "
                              f"(supported: {', '.join(_DTYPES)})")
+    named = next((cfg[k] for k in ("dtype", "torch_dtype") if cfg.get(k) is not None), None)
+    return torch.float32 if named is None else _DTYPES[named]
+
+
+def _dtype(cfg: Mapping[str, Any], arch: str, source: str) -> torch.dtype:
+    """The checkpoint's dtype as transformers reads it (``dtype``, else ``torch_dtype``;
+    float32 when config.json names none), after transformers' config class has read the
+    whole config.json."""
+    _named_dtype(cfg, source)
     dtype = _transformers_config(cfg, arch, source).dtype
     return torch.float32 if dtype is None else dtype
