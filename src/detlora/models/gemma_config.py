@@ -5,10 +5,18 @@ fields under ``text_config``, its weights under ``model.language_model.``).
 What config.json asks for that the engine does not implement is refused by name (Gemma 4's
 mixture of experts, keys that are values, bidirectional attention, attention soft-capping,
 other activations or rotary types). Then transformers' config class reads the JSON, as
-``from_pretrained`` would, so that the defaults, the layer types (Gemma 3's
-``sliding_window_pattern``, Gemma 4's forced full last layer), the rotary parameters of each
-layer type, Gemma 4's per-layer head sizes and its KV-sharing map are exactly HF's; every
-number taken from it is checked.
+``from_pretrained`` would, so that the defaults and the layer types (Gemma 3's
+``sliding_window_pattern``, Gemma 4's forced full last layer) are exactly HF's; every number
+taken from it is checked.
+
+What transformers releases spell differently is read here, the same for every release the
+package allows (``transformers>=4.56``): the rotary parameters of each layer type (4.x has
+``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` attributes, 5.x
+``rope_parameters``), Gemma 4's per-layer head sizes (``global_head_dim`` in config.json
+before the heterogeneous configs of 5.1x, ``per_layer_config`` as those save it) and its
+KV-sharing map (HF's rule; the config property ``kv_sharing_modes`` exists only in recent
+releases). A release without the model type's config class (Gemma 4 before 5.5.0) gets an
+error naming the release needed.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 from detlora.models.config_fields import _DTYPES, _positive, _Reader, _token_ids
@@ -34,6 +43,12 @@ _ROPE_TYPES = {3: ("default", "linear"), 4: ("default", "proportional", "linear"
 # always, Gemma 3 where the id lies outside the text vocabulary.
 _PLACEHOLDERS = {3: ("image_token_id",), 4: ("image_token_id", "video_token_id",
                                               "audio_token_id")}
+# The first transformers release with the config class of a model type (Gemma 3's, 4.50, is
+# older than the oldest release the package allows).
+_FIRST_RELEASE: Mapping[str, str] = MappingProxyType({"gemma4_text": "5.5.0",
+                                                      "gemma4": "5.5.0"})
+# What a Gemma 4 per_layer_config entry may override (what HF's own config writes there).
+_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ def gemma_spec_fields(cfg: Mapping[str, Any], arch: str, model_type: str,
     for c, w in ((cfg, source), (raw, where)):
         _refuse_quantized(c, w)
     _refuse_unsupported(raw, where, version)
-    hf = _hf_config(cfg, model_type, source)
+    hf = _hf_config(cfg, model_type, arch, source)
     text = hf.get_text_config() if multimodal else hf
     values = text.to_dict()
     r = _Reader(values, where)
@@ -86,7 +101,8 @@ def gemma_spec_fields(cfg: Mapping[str, Any], arch: str, model_type: str,
         raise ValueError(f"{where}: layer_types must name sliding_attention or full_attention "
                          f"for each of the {layers} layers, got {layer_types!r}")
     window = r.int("sliding_window")
-    attention = _layer_attention(text, version, layer_types, window, heads, where)
+    attention = _layer_attention(text, raw, version, layer_types, window,
+                                 (heads, head_dim, kv_heads), where)
     intermediate = r.int("intermediate_size")
     sizes = [intermediate] * layers
     if version == 4 and values.get("use_double_wide_mlp"):
@@ -172,12 +188,35 @@ def _refuse_unsupported(raw: Mapping[str, Any], source: str, version: int) -> No
         v = raw.get(key)
         if v is not None and not _positive(v):
             raise ValueError(f"{source}: {key} must be a finite positive number, got {v!r}")
+    for params in _raw_rope_entries(raw):  # before transformers reads them (some raise)
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in _ROPE_TYPES[version]:
+            raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: "
+                             f"{', '.join(_ROPE_TYPES[version])})")
 
 
-def _hf_config(cfg: Mapping[str, Any], model_type: str, source: str) -> Any:
-    """``cfg`` as transformers' config class of ``model_type`` reads it (nothing fetched)."""
-    from transformers import AutoConfig
+def _raw_rope_entries(raw: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The rotary parameter objects of a raw text config: ``rope_scaling`` (4.x spelling),
+    ``rope_parameters`` (5.x: one per layer type, or one for all)."""
+    out = [raw["rope_scaling"]] if isinstance(raw.get("rope_scaling"), Mapping) else []
+    params = raw.get("rope_parameters")
+    if isinstance(params, Mapping):
+        nested = [v for v in params.values() if isinstance(v, Mapping)]
+        out += nested if nested else [params]
+    return out
 
+
+def _hf_config(cfg: Mapping[str, Any], model_type: str, arch: str, source: str) -> Any:
+    """``cfg`` as transformers' config class of ``model_type`` reads it (nothing fetched);
+    ValueError naming the release needed where the installed one has no such class."""
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if model_type not in CONFIG_MAPPING:
+        need = _FIRST_RELEASE.get(model_type, "a release that has it")
+        raise ValueError(f"{source}: {arch} needs transformers >= {need} to read its config "
+                         f"(installed: {transformers.__version__}); upgrade it with "
+                         f"pip install -U 'transformers>={need}'")
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **fields)
@@ -186,35 +225,28 @@ def _hf_config(cfg: Mapping[str, Any], model_type: str, source: str) -> Any:
                          f"{e})") from e
 
 
-def _layer_attention(text: Any, version: int, layer_types: list[str], window: int,
-                     heads: int, source: str) -> list[LayerAttention]:
+def _layer_attention(text: Any, raw: Mapping[str, Any], version: int, layer_types: list[str],
+                     window: int, sizes: tuple[int, int, int],
+                     source: str) -> list[LayerAttention]:
     """Each layer's attention as HF builds it: window, head size, KV heads, softmax scale,
-    rotary table of its layer type, and (Gemma 4) the layer whose K/V it reads."""
-    ropes = {t: _rope(text.rope_parameters, t, version, source) for t in set(layer_types)}
+    rotary table of its layer type, and (Gemma 4) the layer whose K/V it reads. ``sizes``:
+    the query heads and the config-wide head_dim and KV heads, read from ``to_dict()``
+    (the heterogeneous configs of transformers 5.1x refuse ``text.head_dim``)."""
+    heads, head_dim, kv_heads = sizes
+    params = _rope_parameters(text)
+    ropes = {t: _rope(params, t, version, source) for t in set(layer_types)}
     if version == 3:
         scalar = text.query_pre_attn_scalar
         if not _positive(scalar):
             raise ValueError(f"{source}: query_pre_attn_scalar must be a finite positive "
                              f"number, got {scalar!r}")
         scale = float(scalar) ** -0.5
-        hd, kv = int(text.head_dim), int(text.num_key_value_heads)
-        shapes = [(hd, kv)] * len(layer_types)
+        shapes = [(head_dim, kv_heads)] * len(layer_types)
         sources: list[int | None] = [None] * len(layer_types)
     else:
         scale = 1.0  # Gemma 4: q and k are RMS-normed, the softmax is not scaled
-        try:
-            modes = list(text.kv_sharing_modes)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
-        if all(m == "reuse" for m in modes):
-            raise ValueError(f"{source}: num_kv_shared_layers leaves no layer that computes "
-                             "its own keys and values")
-        store = {layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
-        sources = [store[layer_types[i]] if m == "reuse" else None
-                   for i, m in enumerate(modes)]
-        shapes = [(int(text.per_layer_config[i].head_dim),
-                   int(text.per_layer_config[i].num_key_value_heads))
-                  for i in range(len(layer_types))]
+        sources = _kv_sources(raw, layer_types, source)
+        shapes = _gemma4_shapes(raw, head_dim, kv_heads, layer_types, source)
     out: list[LayerAttention] = []
     for i, t in enumerate(layer_types):
         hd, kv = shapes[i]
@@ -227,6 +259,91 @@ def _layer_attention(text: Any, version: int, layer_types: list[str], window: in
             window=window if t == "sliding_attention" else None))
     check_layer_attention(out, source)
     return out
+
+
+def _kv_sources(raw: Mapping[str, Any], layer_types: list[str],
+                source: str) -> list[int | None]:
+    """Gemma 4's KV sharing, by the rule every transformers release with Gemma 4 applies (the
+    config property ``kv_sharing_modes`` is recent: 5.24 has it, 5.17 not): the last
+    ``num_kv_shared_layers`` layers compute no K/V and read those of the last earlier layer
+    of their own type. None: the layer computes its own."""
+    shared = raw.get("num_kv_shared_layers", 0)
+    if isinstance(shared, bool) or not isinstance(shared, int) or not (
+            0 <= shared <= len(layer_types)):
+        raise ValueError(f"{source}: num_kv_shared_layers must be an integer in "
+                         f"[0, {len(layer_types)}], got {shared!r}")
+    first = len(layer_types) - shared
+    if shared and first == 0:
+        raise ValueError(f"{source}: num_kv_shared_layers leaves no layer that computes its "
+                         "own keys and values")
+    producer = {t: i for i, t in enumerate(layer_types[:first])}  # the last of each type
+    out: list[int | None] = [None] * first
+    for i in range(first, len(layer_types)):
+        if layer_types[i] not in producer:
+            raise ValueError(f"{source}: layer {i} ({layer_types[i]}) shares keys and values "
+                             f"but none of layers 0-{first - 1} computes them for its type")
+        out.append(producer[layer_types[i]])
+    return out
+
+
+def _gemma4_shapes(raw: Mapping[str, Any], head_dim: int, kv_heads: int,
+                   layer_types: list[str], source: str) -> list[tuple[int, int]]:
+    """(head_dim, KV heads) of each Gemma 4 layer, from config.json in either spelling:
+    ``per_layer_config`` where it has one (what the heterogeneous configs of transformers
+    5.1x and later save; they fold ``global_head_dim`` into it), else ``global_head_dim``
+    on the full-attention layers (default 512, as every release reads it)."""
+    shapes = [(head_dim, kv_heads)] * len(layer_types)
+    if raw.get("per_layer_config") is not None:
+        for i, layer in _per_layer_overrides(raw["per_layer_config"], len(layer_types),
+                                             source).items():
+            shapes[i] = (layer.get("head_dim", head_dim),
+                         layer.get("num_key_value_heads", kv_heads))
+        return shapes
+    full = raw.get("global_head_dim", 512)
+    if isinstance(full, bool) or not isinstance(full, int) or full < 1:
+        raise ValueError(f"{source}: global_head_dim must be a positive integer, got {full!r}")
+    return [(full, kv_heads) if t == "full_attention" else s
+            for t, s in zip(layer_types, shapes, strict=True)]
+
+
+def _per_layer_overrides(overrides: Any, layers: int,
+                         source: str) -> dict[int, Mapping[str, int]]:
+    """config.json's ``per_layer_config`` by layer index, checked: keys are layer indices
+    (transformers writes them as zero-padded strings, "07"), values override only what
+    Gemma 4's own config writes there (``_LAYER_OVERRIDES``), as integers."""
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"{source}: per_layer_config must be an object, got {overrides!r}")
+    out: dict[int, Mapping[str, int]] = {}
+    for key, layer in overrides.items():
+        index = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < layers:
+            raise ValueError(f"{source}: per_layer_config key {key!r} is not a layer index "
+                             f"in [0, {layers})")
+        if not isinstance(layer, Mapping) or set(layer) - set(_LAYER_OVERRIDES):
+            raise ValueError(f"{source}: per_layer_config[{key!r}] may override only "
+                             f"{', '.join(_LAYER_OVERRIDES)}, got {layer!r}")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in layer.values()):
+            raise ValueError(f"{source}: per_layer_config[{key!r}] must give integers, got "
+                             f"{layer!r}")
+        out[index] = layer
+    return out
+
+
+def _rope_parameters(text: Any) -> Mapping[str, Any]:
+    """The rotary parameters of each layer type: 5.x's ``rope_parameters``; in 4.x, built from
+    the attributes its Gemma 3 reads (the full layers' ``rope_theta`` and ``rope_scaling``,
+    the sliding layers' ``rope_local_base_freq``, unscaled)."""
+    params = getattr(text, "rope_parameters", None)
+    if isinstance(params, Mapping):
+        return params
+    scaling = getattr(text, "rope_scaling", None)
+    scaling = dict(scaling) if isinstance(scaling, Mapping) else {}
+    kind, legacy = scaling.pop("rope_type", None), scaling.pop("type", None)
+    full = {**scaling, "rope_type": kind or legacy or "default",
+            "rope_theta": getattr(text, "rope_theta", None)}
+    return {"full_attention": full,
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": getattr(text, "rope_local_base_freq", None)}}
 
 
 def _rope(params: Mapping[str, Any], layer_type: str, version: int, source: str) -> RopeSpec:
