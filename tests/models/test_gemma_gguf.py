@@ -42,6 +42,7 @@ def _write_gguf(checkpoint, out):
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([1] * 257 + [3] * (vocab - 257))
+    w.add_token_scores([0.0] * vocab)  # real Gemma files have them (5.17 reads them)
     w.add_token_merges(["a b"])
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
