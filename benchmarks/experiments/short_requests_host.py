@@ -12,9 +12,11 @@ launches hundreds of kernels, ~30 ms of host time for a 28-layer model: ``eager_
 
 Models: ``tiny`` (the demo's random model and word-level tokenizer) or ``smollm2`` (the
 embedded SmolLM2-135M-Instruct: its real tokenizer and chat template, its weights loaded but
-never run). Times are per request: wall and this process's CPU time (``time.process_time``),
-the best of ``--repeats`` calls; ``--profile`` adds a cProfile pass (top functions by own and
-cumulative time).
+never run). Times are per request: wall, this process's CPU time (``time.process_time``: the
+tokenizers' worker threads too) and the calling thread's (``time.thread_time``: the engine's
+own serial work, what one core must keep up with), the best and the median of ``--repeats``
+calls; ``--profile`` adds a cProfile pass timed by the thread's CPU
+clock (top functions by own and cumulative time; the statistics in ``OUT.WORKLOAD.prof``).
 
     PYTHONPATH=src python -m benchmarks.experiments.short_requests_host OUT.json \
         [--model tiny|smollm2] [--requests 2000] [--workloads one_token,decide] [--profile]
@@ -28,6 +30,7 @@ import io
 import json
 import pstats
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -36,9 +39,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import results_meta, write_results
 from benchmarks.harness.stub_model import stub_model
 
 TOP = 45
+INSTRUCTIONS = "You moderate comments on a forum."
+KV_BLOCKS = 2048
 WORDS = ["the", "user", "asks", "a", "question", "and", "assistant", "answers", "it", "with",
          "care", "small", "models", "are", "quick", "to", "build", "run", "on", "laptop",
          "every", "token", "is", "chosen", "from", "logits"]
@@ -63,23 +69,30 @@ def build_llm(model: str, root: Path, lora: bool) -> tuple[Any, Any]:
 
         demo = prepare_model(model, root, dtype=torch.float32)
         model_dir, adapters, rank = demo.model_dir, demo.adapters, demo.max_lora_rank
+    # KV pages for two waves of 256 two-page prompts, as a GPU's cache holds (a CPU's default
+    # would admit half a wave a step).
     llm = LLM(str(model_dir), device="cpu", determinism="batch_invariant", enable_lora=lora,
-              max_lora_rank=rank, max_model_len=512)
+              max_lora_rank=rank, max_model_len=512, num_kv_blocks=KV_BLOCKS)
     req = LoRARequest("a", 1, str(adapters[0])) if lora else None
     return llm, req
 
 
 def _call(llm: Any, workload: str, n: int, lora: Any) -> Any:
+    """The timed call (its prompts made before: only the engine's work is timed). As the GPU
+    suite (``small_models``): the chosen token's logprob, the decisions' instructions."""
     from detlora import SamplingParams
 
     if workload == "one_token":
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
-        return lambda: llm.generate(prompts(n), sp, lora_request=lora, use_tqdm=False)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+        texts = prompts(n)
+        return lambda: llm.generate(texts, sp, lora_request=lora, use_tqdm=False)
     question = {"toxic": {"type": "noul", "criteria": "Is this comment toxic?"}}
     states = prompts(n, seed=99)
     if _has_bulk_decide(llm):
-        return lambda: llm.decide(states, question, lora_request=lora, use_tqdm=False)
-    return lambda: [llm.decide(s, question, lora_request=lora) for s in states]
+        return lambda: llm.decide(states, question, instructions=INSTRUCTIONS,
+                                  lora_request=lora, use_tqdm=False)
+    return lambda: [llm.decide(s, question, instructions=INSTRUCTIONS, lora_request=lora)
+                    for s in states]
 
 
 def _has_bulk_decide(llm: Any) -> bool:
@@ -95,31 +108,42 @@ def _profile_rows(prof: cProfile.Profile, key: str) -> list[str]:
 
 
 def measure(llm: Any, workload: str, n: int, lora: Any, repeats: int,
-            profile: bool) -> dict[str, Any]:
+            profile: Path | None) -> dict[str, Any]:
     engine = llm.engine
     counter = stub_model(engine)
     run = _call(llm, workload, n, lora)
     run()  # warm-up: tokenizer caches, the adapter in its slot
-    best_wall = best_cpu = float("inf")
+    walls, cpus, threads = [], [], []
     steps0, eager0 = engine.num_steps, counter["eager_steps"]
     for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), time.thread_time()
         run()
-        best_wall = min(best_wall, time.perf_counter() - w0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        threads.append(time.thread_time() - t0)
+
+    def us(values: list[float], pick: Any) -> float:
+        return round(1e6 * pick(values) / n, 1)
+
     out: dict[str, Any] = {
-        "requests": n, "wall_us_per_request": round(1e6 * best_wall / n, 1),
-        "cpu_us_per_request": round(1e6 * best_cpu / n, 1),
-        "requests_per_s_host_bound": round(n / best_wall, 1),
+        "requests": n, "wall_us_per_request": us(walls, min),
+        "cpu_us_per_request": us(cpus, min),
+        "cpu_us_per_request_median": us(cpus, statistics.median),
+        "thread_cpu_us_per_request": us(threads, min),
+        "thread_cpu_us_per_request_median": us(threads, statistics.median),
+        "requests_per_s_host_bound": round(n / min(walls), 1),
         "steps_per_call": (engine.num_steps - steps0) / repeats,
         "eager_steps_per_call": (counter["eager_steps"] - eager0) / repeats,
         "bulk_decide": _has_bulk_decide(llm) if workload == "decide" else None,
     }
-    if profile:
-        prof = cProfile.Profile()
+    if profile is not None:
+        # This thread's CPU clock: a wall-clock profile on a busy host charges functions for
+        # the time the process waited to be scheduled.
+        prof = cProfile.Profile(time.thread_time)
         prof.enable()
         run()
         prof.disable()
+        prof.dump_stats(profile)
         out["by_tottime"] = _profile_rows(prof, "tottime")
         out["by_cumtime"] = _profile_rows(prof, "cumtime")
     return out
@@ -140,14 +164,17 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llm, lora = build_llm(args.model, Path(tmp), not args.no_lora)
         for workload in args.workloads.split(","):
-            rows[workload] = measure(llm, workload, args.requests, lora, args.repeats,
-                                     args.profile)
+            prof = (args.out.with_name(f"{args.out.stem}.{workload}.prof") if args.profile
+                    else None)
+            rows[workload] = measure(llm, workload, args.requests, lora, args.repeats, prof)
             print(workload, json.dumps({k: v for k, v in rows[workload].items()
                                         if not k.startswith("by_")}), flush=True)
         llm.shutdown()
-    meta = {"model": args.model, "requests": args.requests, "lora": not args.no_lora,
-            "python": sys.version.split()[0], "torch": torch.__version__}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    meta = {**results_meta("python -m benchmarks.experiments.short_requests_host "
+                           + " ".join(argv)),
+            "model": args.model, "requests": args.requests, "lora": not args.no_lora,
+            "python": sys.version.split()[0]}
+    write_results(args.out, {"meta": meta, "rows": rows}, history=False)
 
 
 if __name__ == "__main__":
