@@ -5,8 +5,10 @@ nothing (``engine_host_step``'s idea: each step's inputs are staged as on the GP
 pinned-buffer twins, here on the CPU) and whose outputs are fixed logits with their greedy
 head; a step no graph holds runs the model's forward, stubbed to return fixed logits too
 (counted in the returned dict's ``eager_steps``: on the GPU such a step launches hundreds of
-kernels). The sampler's device work still runs (torch on the CPU, small tensors); the engine
-runs ahead as with CUDA graphs.
+kernels). The sampler's full-vocabulary log-softmax (a decision's label logprobs, top
+logprobs: on the GPU a kernel over [rows, V], on a CPU tens of milliseconds a step) returns
+fixed values of the right shape; the sampler's other device work still runs (torch on the
+CPU, small tensors). The engine runs ahead as with CUDA graphs.
 
 With ``DETLORA_STUB_MODEL=1`` in the environment, ``install_from_env()`` (called at start-up by
 ``benchmarks/harness/sitecustomize/``) stubs the engine a server's engine process builds, so
@@ -67,6 +69,16 @@ def stub_model(engine: Any) -> dict[str, int]:
         counter["eager_steps"] += 1
         return hidden[: batch.input_ids.numel()]
 
+    sampler = engine.sampler
+    real_log_softmax = sampler._log_softmax
+    fixed_lp = torch.log_softmax(logits.float(), dim=-1)
+
+    def log_softmax(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= rows and x.shape[1] == spec.vocab_size:
+            return fixed_lp[: x.shape[0]]  # the device's work on the GPU: a stand-in here
+        return real_log_softmax(x)
+
+    sampler._log_softmax = log_softmax
     engine.model.forward = forward  # an instance attribute: nn.Module.__call__ finds it
     engine.model.hidden_states = hidden_states
     engine.run_ahead = True
