@@ -82,7 +82,9 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq.block_table`` to cover ``num_tokens`` tokens (all or nothing)."""
-        need = self.blocks_needed(seq, num_tokens)
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)  # blocks_needed
+        if need <= 0 and (not self.num_state_slots or seq.state_slot >= 0):
+            return
         if need > len(self._free):
             raise OutOfBlocksError(
                 f"sequence {seq.request_id} needs {need} more KV blocks, "
@@ -144,8 +146,9 @@ class BlockManager:
     def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
         """Whether ``seq`` (no pages yet) can share ``cached`` and get pages for its first
         ``num_tokens`` tokens; a shared page that sits in the free list counts against it."""
-        revived = sum(1 for page in cached if self._ref_count[page] == 0)
-        need = max(0, self.blocks_for(num_tokens) - len(cached))
+        ref = self._ref_count
+        revived = sum(1 for page in cached if ref[page] == 0) if cached else 0
+        need = max(0, -(-num_tokens // self.block_size) - len(cached))
         return need + revived <= len(self._free)
 
     def share(self, seq: Sequence, cached: list[int]) -> None:

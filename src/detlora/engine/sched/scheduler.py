@@ -186,8 +186,11 @@ class Scheduler:
         skipped: list[Sequence] = []
         overdue: Sequence | None = None  # the first request kept from a slot too long
         limit = self.max_num_seqs + num_ending
-        while self.waiting and budget > 0 and len(self.running) < limit:
-            seq = self.waiting[0]
+        waiting, running, blocks = self.waiting, self.running, self.blocks
+        caching, block_size = blocks.enable_caching, blocks.block_size
+        waiting_loras = self._waiting_loras
+        while waiting and budget > 0 and len(running) < limit:
+            seq = waiting[0]
             if self.position_offset is not None:
                 _set_offset(seq, self.position_offset(len(seq.token_ids)))
             if self.max_loras is not None and seq.lora is not None:
@@ -195,49 +198,61 @@ class Scheduler:
                         and _tokens_left(seq) > drains.get(seq.lora, -1)):
                     # The slot the overdue request waits for is not ours, and joining a
                     # running adapter would keep its slot longer.
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(waiting.popleft())
                     continue
-                if seq.lora not in adapters and len(adapters) >= self.max_loras:
+                if len(adapters) >= self.max_loras and seq.lora not in adapters:
                     if seq.adapter_wait_since is None:
                         seq.adapter_wait_since = self.num_schedules
                     if overdue is None and \
                             self.num_schedules - seq.adapter_wait_since >= self.max_adapter_wait:
                         overdue = seq
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(waiting.popleft())
                     continue
-            lookup = self.blocks.enable_caching and seq.params.prompt_logprobs is None
-            cached = self.blocks.cached_prefix(seq) if lookup else []
-            if lookup and self.blocks.next_page_computing(seq, cached):
+            lookup = caching and seq.params.prompt_logprobs is None
+            cached = blocks.cached_prefix(seq) if lookup else []
+            if lookup and blocks.next_page_computing(seq, cached):
                 # A running sequence is computing the next page: take it from the cache once
                 # it is registered instead of computing it twice.
-                skipped.append(self.waiting.popleft())
+                skipped.append(waiting.popleft())
                 continue
-            start = len(cached) * self.blocks.block_size
-            n = len(seq.token_ids) - start
+            length = len(seq.token_ids)
+            start = len(cached) * block_size
+            n = length - start
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.blocks.can_admit(seq, cached, start + n):
+            if not blocks.can_admit(seq, cached, start + n):
                 break
-            self.waiting.popleft()
-            self._count_waiting(seq, -1)
+            waiting.popleft()
+            lora = seq.lora
+            if lora is not None:  # _count_waiting(seq, -1)
+                count = waiting_loras.get(lora, 0) - 1
+                if count:
+                    waiting_loras[lora] = count
+                else:
+                    del waiting_loras[lora]
             seq.adapter_wait_since = None
             if lookup:
-                self.blocks.share(seq, cached)
+                blocks.share(seq, cached)
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = seq.num_computed
-            self.blocks.allocate(seq, seq.num_computed + n)
-            self.blocks.mark_computing(seq)
+            blocks.allocate(seq, seq.num_computed + n)
+            blocks.mark_computing(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            if seq.lora is not None:
-                adapters.add(seq.lora)
-                drains[seq.lora] = max(drains.get(seq.lora, 0), _tokens_left(seq))
-            scheduled.append(ScheduledSequence(seq, n, n == seq.num_pending))
+            running.append(seq)
+            if lora is not None:
+                adapters.add(lora)
+                left = seq.max_len - length  # _tokens_left(seq)
+                if left > drains.get(lora, 0):
+                    drains[lora] = left
+                elif lora not in drains:
+                    drains[lora] = 0
+            scheduled.append(ScheduledSequence(seq, n, n == length - seq.num_computed))
             budget -= n
         # Skipped sequences keep their place ahead of everything that arrived after them.
-        self.waiting.extendleft(reversed(skipped))
+        if skipped:
+            waiting.extendleft(reversed(skipped))
         return budget
 
     def _recompute_grown(self) -> None:
