@@ -45,6 +45,7 @@ class Tokenizer:
         self._fast_decode: Any = None  # decided on first use (False: none)
         self._fast_encode: Any = None  # decided on first use (False: none)
         self._token_texts: dict[int, str] = {}
+        self._one_texts: dict[int, str] = {}  # decode([id]), per id
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -126,7 +127,17 @@ class Tokenizer:
         """``hf.decode(token_ids, skip_special_tokens=True)``; through the tokenizers
         backend directly where that gives the same text (``_backend_decode``): a server
         decodes a window twice per streamed token, and transformers' wrapper costs several
-        times the decode itself."""
+        times the decode itself. One token's text is remembered per id: a one-token output
+        is decoded once per vocabulary entry, not once per request."""
+        if len(token_ids) == 1 and type(token_ids[0]) is int:
+            key = token_ids[0]
+            text = self._one_texts.get(key)
+            if text is None:
+                text = self._one_texts[key] = self._decode([key])
+            return text
+        return self._decode(token_ids)
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
         if self._fast_decode is None:
             self._fast_decode = _backend_decode(self.hf) or False
         if self._fast_decode:
