@@ -443,15 +443,17 @@ class LLMEngine:
     def check_requests(
         self, requests: Sequence[tuple[Sequence[int], SamplingParams, LoRARequest | None,
                                        Sequence[int] | None]],
-    ) -> None:
+    ) -> list[list[int]]:
         """``check_request`` for each (prompt ids, params, lora, label ids): what depends only
         on the params or the adapter is checked once per distinct object, so a call of
         thousands of short requests sharing them costs microseconds a request. A ValueError
-        names the request's index when there is more than one."""
+        names the request's index when there is more than one. Returns each request's prompt
+        ids as a list of ints (what ``add_request(..., checked=True)`` takes)."""
         self._check_running()
         params_seen: set[int] = set()
         loras_seen: set[int] = set()
         several = len(requests) > 1
+        out: list[list[int]] = []
         for i, (prompt_token_ids, params, lora, label_token_ids) in enumerate(requests):
             try:
                 if id(params) not in params_seen:
@@ -460,11 +462,12 @@ class LLMEngine:
                 if lora is not None and id(lora) not in loras_seen:
                     self._check_lora(lora)
                     loras_seen.add(id(lora))
-                self._check_prompt(prompt_token_ids, params, label_token_ids)
+                out.append(self._check_prompt(prompt_token_ids, params, label_token_ids))
             except ValueError as e:
                 if several:
                     raise type(e)(f"request {i}: {e}") from None
                 raise
+        return out
 
     def _check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -499,7 +502,8 @@ class LLMEngine:
                                     f"(LoRARequest {lora.name!r}, id {lora.id})")
 
     def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                      label_token_ids: Sequence[int] | None) -> None:
+                      label_token_ids: Sequence[int] | None) -> list[int]:
+        """The prompt's ids as a list of ints, once they pass."""
         ids = token_id_list(prompt_token_ids, "prompt_token_ids")
         n = len(ids)
         if n == 0:
@@ -526,6 +530,7 @@ class LLMEngine:
                 f"{self.config.block_size} tokens) cannot hold one sequence of "
                 f"{n} prompt + {outputs} output tokens; raise num_kv_blocks"
             )
+        return ids
 
     def _max_len(self, prompt_len: int, params: SamplingParams) -> int:
         """Prompt + max_tokens, capped at max_model_len (max_tokens=None: the cap)."""
@@ -549,16 +554,18 @@ class LLMEngine:
         ``SamplingParams``). ``label_token_ids``: report the raw logprobs of the first output
         position at these ids (``RequestOutput.label_logprobs``; decisions read them).
         ``checked``: the caller has passed these very arguments through ``check_requests``
-        (a bulk caller checks once, not twice)."""
+        and gives the prompt ids it returned (a bulk caller checks once, not twice)."""
         self._check_running()
-        if not checked:
+        if checked:
+            ids = prompt_token_ids  # check_requests' list of ints
+        else:
             self.check_request(prompt_token_ids, params, lora, label_token_ids)
+            ids = token_id_list(prompt_token_ids, "prompt_token_ids")
         index = next(self._counter)
         if params.seed is None:
             seed = derive_seed(self.config.seed, index)
         else:
             seed = params.seed if sample_index == 0 else derive_seed(params.seed, sample_index)
-        ids = token_id_list(prompt_token_ids, "prompt_token_ids")
         seq = Seq(
             seq_id=index,
             request_id=request_id if request_id is not None else str(index),
@@ -771,10 +778,13 @@ class LLMEngine:
         if step.prompt_rows:
             assert out is not None and out.prompt_hidden is not None
             self._score_prompts(step, seqs, out.prompt_hidden)
-        for item in sched.scheduled:
-            item.seq.num_computed += item.num_tokens
-            self.block_manager.register(item.seq)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
+        register = self.block_manager.register
+        sampling = []
+        for seq, num_tokens, samples in sched.scheduled:
+            seq.num_computed += num_tokens
+            register(seq)
+            if samples:
+                sampling.append(seq)
         if not sampling:
             return None
         assert out is not None
@@ -783,13 +793,16 @@ class LLMEngine:
             id(item.seq): r for item, r in zip(sched.scheduled, fed_rows, strict=True)
             if r is not None}
         labels = self._read_labels(sampling, out.logits)
-        requests = [self._sample_request(s, fed_of.get(id(s))) for s in sampling]
+        sample_request = self._sample_request
+        requests = ([sample_request(s, fed_of.get(id(s))) for s in sampling] if fed_of
+                    else [sample_request(s) for s in sampling])
         pending = self.sampler.launch(out.logits, requests, greedy=out.greedy,
                                       fed=self.runner.fed_tokens if fed_of else None)
         if pending.tokens is not None and self.run_ahead:
             self.runner.feed(pending.tokens)
-        positions = [len(s.token_ids) for s in sampling]
+        positions = []
         for s in sampling:  # the token's place, filled when the step is read
+            positions.append(len(s.token_ids))
             s.token_ids.append(UNREAD)
         return _InFlight(sampling, positions, pending, self.num_steps, labels)
 
@@ -843,9 +856,13 @@ class LLMEngine:
                 and s.label_logprobs is None and s.num_output_tokens == 0]
         if not rows:
             return None
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows (a step of decisions): a view
+            picked = logits[rows[0]: rows[-1] + 1]
+        else:
+            index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+            picked = logits.index_select(0, index)
         pending = self.sampler.launch_token_logprobs(
-            logits.index_select(0, index), [sampling[i].label_token_ids for i in rows])
+            picked, [sampling[i].label_token_ids for i in rows])
         return [sampling[i] for i in rows], pending
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
@@ -910,8 +927,10 @@ class LLMEngine:
         now = time.time()
         vocab = self.spec.vocab_size
         register = self.block_manager.register
+        finish_reason = self._finish_reason
+        finished = SequenceStatus.FINISHED
         for seq, pos, result in zip(inflight.seqs, inflight.positions, results, strict=True):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue  # finished by the step before: this row ran ahead for nothing
             token = result.token_id
             if not result.finite or not 0 <= token < vocab:
@@ -927,15 +946,17 @@ class LLMEngine:
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs)
                 seq.logprob_ranks.append(result.ranks)
-            register(seq)  # a page that waited for this token
-            reason = self._finish_reason(seq, token, pos + 1)
-            if reason is None and isinstance(seq.grammar, GrammarMatcher):
+            reason = finish_reason(seq, token, pos + 1)
+            if reason is None and seq.grammar is not None \
+                    and isinstance(seq.grammar, GrammarMatcher):
                 seq.grammar.accept(token)
                 if seq.grammar.is_terminated:  # complete, and only a stop token fits now
                     reason = FinishReason.STOP
-            if reason is not None:
+            if reason is None:
+                register(seq)  # a page that waited for this token
+            else:
                 del seq.token_ids[pos + 1:]  # the unread token of a step launched ahead
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish(seq, reason)  # registers its pages as it frees them
             touched.append(seq)
         return touched
 
@@ -984,7 +1005,7 @@ class LLMEngine:
         adjust = (row_adjust(params, seq.prompt_token_ids, seq.output_token_ids, fed_row)
                   if has_adjustments(params) else None)
         mask = None
-        if isinstance(seq.grammar, GrammarMatcher):
+        if seq.grammar is not None and isinstance(seq.grammar, GrammarMatcher):
             mask = torch.empty(seq.grammar.mask_words, dtype=torch.int32)
             seq.grammar.fill_mask(mask)
         return SampleRequest(params, seq.sample_seed, len(seq.token_ids), banned, adjust,
@@ -1049,25 +1070,30 @@ class LLMEngine:
         logprobs and text not reported by an earlier delta. Text needs a tokenizer and
         ``params.detokenize``; an unfinished request's text grows by whole characters."""
         params = seq.params
-        num_read = seq.num_output_tokens if seq.is_finished else seq.num_read_output_tokens
-        out_ids = seq.token_ids[seq.num_prompt_tokens: seq.num_prompt_tokens + num_read]
+        finished = seq.status is SequenceStatus.FINISHED
+        num_prompt = len(seq.prompt_token_ids)
+        num_read = (len(seq.token_ids) - num_prompt if finished
+                    else seq.num_read_output_tokens)
+        out_ids = seq.token_ids[num_prompt: num_prompt + num_read]
         start = seq.num_reported if delta else 0
         text = self._text_of(seq, out_ids, delta)
-        lps = None
+        lps = cumulative = None
         if params.logprobs is not None:
-            lps = [self._logprobs_entry(d, ranks) for d, ranks in
+            entry = self._logprobs_entry
+            lps = [entry(d, ranks) for d, ranks in
                    zip(seq.logprobs[start:num_read], seq.logprob_ranks[start:num_read],
                        strict=True)]
+            # Each entry lists the chosen token first; summed in token order.
+            cumulative = sum([next(iter(d.values())) for d in seq.logprobs[:num_read]])
+        reason = seq.finish_reason
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(out_ids[start:]),
+            token_ids=out_ids[start:] if start else out_ids,  # a copy already
             logprobs=lps,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            finish_reason=reason.value if reason else None,
             stop_reason=seq.stop_reason,
-            # Each entry lists the chosen token first; summed in token order.
-            cumulative_logprob=None if params.logprobs is None
-            else sum(next(iter(d.values())) for d in seq.logprobs[:num_read]),
+            cumulative_logprob=cumulative,
             error=seq.error,
         )
         first = not delta or seq.num_reported == 0
@@ -1077,7 +1103,7 @@ class LLMEngine:
             prompt=seq.prompt,
             prompt_token_ids=list(seq.prompt_token_ids),
             outputs=[completion],
-            finished=seq.is_finished,
+            finished=finished,
             fingerprint=self._output_fingerprint(seq),
             prompt_logprobs=None if params.prompt_logprobs is None or not first else [None, *(
                 self._logprobs_entry(d, ranks)
@@ -1090,7 +1116,7 @@ class LLMEngine:
                 first_scheduled_time=seq.first_scheduled_time,
                 first_token_time=seq.first_token_time,
                 last_token_time=seq.last_token_time,
-                finished_time=time.time() if seq.is_finished else None,
+                finished_time=time.time() if finished else None,
             ),
         )
 
@@ -1115,5 +1141,8 @@ class LLMEngine:
                         ranks: Sequence[int]) -> dict[int, Logprob]:
         """One position's {token id: Logprob}, ``ranks`` in the entries' order."""
         text = self.token_text
+        if len(values) == 1 and len(ranks) == 1:  # the chosen token alone (logprobs=0)
+            (token, value), = values.items()
+            return {token: Logprob(value, ranks[0], None if text is None else text(token))}
         return {token: Logprob(value, rank, None if text is None else text(token))
                 for (token, value), rank in zip(values.items(), ranks, strict=True)}

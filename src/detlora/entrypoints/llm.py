@@ -174,8 +174,8 @@ class LLM:
                            lambda x: x is None or isinstance(x, LoRARequest))
         # Check every request before adding any, so a bad one leaves the engine untouched.
         encoded = self._encode_all(parsed, chat)
-        self.engine.check_requests([(ids, sp, lr, None) for (ids, _), sp, lr
-                                    in zip(encoded, params, loras, strict=True)])
+        checked = self.engine.check_requests([(ids, sp, lr, None) for (ids, _), sp, lr
+                                              in zip(encoded, params, loras, strict=True)])
         # Completion 0 scores the prompt (prompt_logprobs) for all n of them; each request
         # is reported once, when it finishes. Params shared by many prompts are copied once.
         final = _per_object(params, lambda sp: sp if sp.output_kind is RequestOutputKind.FINAL_ONLY
@@ -186,7 +186,8 @@ class LLM:
         groups = [
             [add(ids, sp if i == 0 else sl, lora=lr, prompt=text, sample_index=i, checked=True)
              for i in range(sp.n)]
-            for (ids, text), sp, sl, lr in zip(encoded, final, later, loras, strict=True)
+            for ids, (_, text), sp, sl, lr in zip(checked, encoded, final, later, loras,
+                                                  strict=True)
         ]
         outs = self._run([s for g in groups for s in g], use_tqdm)
         if self._audit is not None:
@@ -270,9 +271,10 @@ class LLM:
                            lambda x: x is None or isinstance(x, LoRARequest))
         reads = self._plan_decisions(states, qsets, instructions)
         add = self.engine.add_request
-        self.engine.check_requests([(r.prompt_token_ids, _READ, lr, r.label_token_ids)
-                                    for rs, lr in zip(reads, loras, strict=True) for r in rs])
-        seqs = [add(r.prompt_token_ids, _READ, lora=lr, label_token_ids=r.label_token_ids,
+        checked = iter(self.engine.check_requests(
+            [(r.prompt_token_ids, _READ, lr, r.label_token_ids)
+             for rs, lr in zip(reads, loras, strict=True) for r in rs]))
+        seqs = [add(next(checked), _READ, lora=lr, label_token_ids=r.label_token_ids,
                     checked=True) for rs, lr in zip(reads, loras, strict=True) for r in rs]
         outs = self._run(seqs, use_tqdm=many if use_tqdm is None else use_tqdm,
                          desc="Decisions (reads)")

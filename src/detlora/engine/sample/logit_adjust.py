@@ -77,9 +77,11 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def has_adjustments(params: SamplingParams) -> bool:
-    """Whether a request's rows need ``row_adjust`` at all (cheap: checked every step)."""
-    return bool(has_penalties(params) or params.logit_bias or params.allowed_token_ids
-                or min_p_offset(params) is not None)
+    """Whether a request's rows need ``row_adjust`` at all (cheap: checked every row of every
+    step, so ``has_penalties`` and ``min_p_offset`` are written out here)."""
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                or params.frequency_penalty != 0.0 or params.logit_bias
+                or params.allowed_token_ids or (params.min_p > 0.0 and params.temperature != 0.0))
 
 
 def row_adjust(params: SamplingParams, prompt_ids: Sequence[int],
