@@ -121,7 +121,12 @@ class Scheduler:
     def upcoming_adapters(self, limit: int) -> list[object]:
         """The first ``limit`` distinct adapters of waiting sequences, in queue order, that no
         running sequence uses: the ones the next admissions will ask for."""
-        seen = {s.lora for s in self.running}
+        seen = set()
+        last: object = seen  # no sequence's adapter
+        for s in self.running:  # runs of one adapter object add it once
+            if s.lora is not last:
+                last = s.lora
+                seen.add(last)
         if all(lora in seen for lora in self._waiting_loras):
             return []  # every waiting request's adapter runs: no queue to walk
         out: list[object] = []
@@ -176,13 +181,27 @@ class Scheduler:
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
     def _admit(self, budget: int, scheduled: list[ScheduledSequence], num_ending: int = 0) -> int:
-        adapters = {s.lora for s in self.running if s.lora is not None}
         # Per running adapter, the most tokens any of its sequences may still produce: when
-        # its slot frees at the latest.
+        # its slot frees at the latest. (Runs of one adapter object are folded before the
+        # dict sees them: a wave of one adapter's requests hashes it once.)
         drains: dict[object, int] = {}
+        last: object = None
+        most = 0
         for s in self.running:
-            if s.lora is not None:
-                drains[s.lora] = max(drains.get(s.lora, 0), _tokens_left(s))
+            lora = s.lora
+            if lora is None:
+                continue
+            left = s.max_len - len(s.token_ids)  # _tokens_left(s)
+            if lora is last:
+                if left > most:
+                    most = left
+                continue
+            if last is not None:
+                drains[last] = max(drains.get(last, 0), most)
+            last, most = lora, left
+        if last is not None:
+            drains[last] = max(drains.get(last, 0), most)
+        adapters = set(drains)
         skipped: list[Sequence] = []
         overdue: Sequence | None = None  # the first request kept from a slot too long
         limit = self.max_num_seqs + num_ending
