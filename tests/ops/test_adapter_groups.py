@@ -1,12 +1,14 @@
 """Token-to-adapter grouping: stable order, sizes, no host sync, range checks; the expands'
 row tiles (each group's rows in tiles, numbered group by group, on the device and the host)."""
 
+import numpy as np
 import pytest
 import torch
 
 from detlora.ops.adapter_groups import (
     ROW_TILE_GROUP,
     group_tokens,
+    group_tokens_array,
     group_tokens_host,
     max_row_tiles,
     row_tile_room,
@@ -62,6 +64,8 @@ def test_host_grouping_gives_the_device_grouping(ids, num_adapters):
     host = group_tokens_host(ids, num_adapters)
     assert host == (g.sorted_rows.tolist(), g.group_start.tolist(), g.group_size.tolist(),
                     g.group_adapter.tolist())
+    rows, *groups = group_tokens_array(np.asarray(ids, dtype=np.int64), num_adapters)
+    assert (rows.tolist(), *groups) == host
 
 
 def test_slot_counts_past_the_row_tile_packing_raise():
@@ -81,6 +85,10 @@ def test_slot_counts_past_the_row_tile_packing_raise():
 def test_host_grouping_bad_inputs_raise():
     with pytest.raises(ValueError, match="adapter id 4, outside"):
         group_tokens_host([0, 4], 4)
+    with pytest.raises(ValueError, match="adapter id -2, outside"):
+        group_tokens_host([0] * 300 + [-2], 4)
+    with pytest.raises(ValueError, match="adapter id 4, outside"):
+        group_tokens_array(np.array([0, 4]), 4)
     with pytest.raises(ValueError, match="num_adapters must be an int in"):
         group_tokens_host([0], 0)
     with pytest.raises(ValueError, match="at least one row"):

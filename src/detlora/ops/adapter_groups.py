@@ -200,30 +200,55 @@ def group_tokens_host(
     _check_num_adapters(num_adapters)
     if not token_adapter:
         raise ValueError("token_adapter must have at least one row, got 0")
+    if len(token_adapter) > HOST_NUMPY_ROWS:  # a prefill step's thousands of rows: numpy
+        rows, *groups = group_tokens_array(np.asarray(token_adapter, dtype=np.int64),
+                                           num_adapters)
+        return (rows.tolist(), *groups)  # type: ignore[return-value]
     lo, hi = min(token_adapter), max(token_adapter)
     if lo < -1 or hi >= num_adapters:
-        bad = next(a for a in token_adapter if not -1 <= a < num_adapters)
-        raise ValueError(
-            f"token_adapter holds adapter id {bad}, outside [-1, {num_adapters - 1}] "
-            f"(-1 = no adapter, {num_adapters} adapter slots)"
-        )
-    many = len(token_adapter) > HOST_NUMPY_ROWS
-    if many:  # a prefill step's thousands of rows: numpy (its call costs ~us, a row ~ns)
-        slots = np.asarray(token_adapter, dtype=np.int64)
-        counts = np.bincount(slots + 1, minlength=num_adapters + 1).tolist()
-    else:  # per-step host work: C-level builtins over the rows and the slots
-        counts = [0] * (num_adapters + 1)
-        for a in token_adapter:
-            counts[a + 1] += 1
+        _raise_bad_slot(token_adapter, num_adapters)
+    # Per-step host work: C-level builtins over the rows and the slots.
+    counts = [0] * (num_adapters + 1)
+    for a in token_adapter:
+        counts[a + 1] += 1
+    sorted_rows = sorted(range(len(token_adapter)), key=token_adapter.__getitem__)  # stable
+    return (sorted_rows, *_groups_of(counts, len(token_adapter), num_adapters))
+
+
+def group_tokens_array(
+    token_adapter: np.ndarray, num_adapters: int
+) -> tuple[np.ndarray, list[int], list[int], list[int]]:
+    """:func:`group_tokens_host` of a 1-D integer numpy array, its sorted rows an int64
+    array: a step graph stages thousands of rows without converting them to Python ints
+    (numpy's call costs ~us, a row ~ns)."""
+    _check_num_adapters(num_adapters)
+    n = token_adapter.shape[0]
+    if n == 0:
+        raise ValueError("token_adapter must have at least one row, got 0")
+    if int(token_adapter.min()) < -1 or int(token_adapter.max()) >= num_adapters:
+        _raise_bad_slot(token_adapter.tolist(), num_adapters)
+    slots = token_adapter.astype(np.int64, copy=False)
+    counts = np.bincount(slots + 1, minlength=num_adapters + 1).tolist()
+    return (np.argsort(slots, kind="stable"), *_groups_of(counts, n, num_adapters))
+
+
+def _raise_bad_slot(token_adapter: Sequence[int], num_adapters: int) -> None:
+    bad = next(a for a in token_adapter if not -1 <= a < num_adapters)
+    raise ValueError(
+        f"token_adapter holds adapter id {bad}, outside [-1, {num_adapters - 1}] "
+        f"(-1 = no adapter, {num_adapters} adapter slots)"
+    )
+
+
+def _groups_of(counts: list[int], num_rows: int,
+               num_adapters: int) -> tuple[list[int], list[int], list[int]]:
+    """(group_start, group_size, group_adapter) from the rows per slot (slot -1 first):
+    groups with rows first, then empty ones up to min(rows, num_adapters + 1)."""
     starts = [end - c for end, c in zip(itertools.accumulate(counts), counts, strict=True)]
     used = [k for k, c in enumerate(counts) if c]
     order = used
-    num_groups = min(len(token_adapter), num_adapters + 1)
+    num_groups = min(num_rows, num_adapters + 1)
     if len(used) < num_groups:
         order = used + [k for k, c in enumerate(counts) if not c][: num_groups - len(used)]
-    if many:
-        sorted_rows = np.argsort(slots, kind="stable").tolist()
-    else:
-        sorted_rows = sorted(range(len(token_adapter)), key=token_adapter.__getitem__)  # stable
-    return (sorted_rows, [starts[k] for k in order], [counts[k] for k in order],
+    return ([starts[k] for k in order], [counts[k] for k in order],
             [k - 1 for k in order])

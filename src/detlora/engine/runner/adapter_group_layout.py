@@ -17,6 +17,7 @@ import torch
 
 from detlora.ops.adapter_groups import (
     AdapterGroups,
+    group_tokens_array,
     group_tokens_host,
     max_row_tiles,
     row_tile_table_host,
@@ -53,10 +54,14 @@ class AdapterGroupLayout:
             row_block=bm,
         )
 
-    def stage(self, h32: np.ndarray, token_adapter: list[int]) -> int:
+    def stage(self, h32: np.ndarray, token_adapter: list[int] | np.ndarray) -> int:
         """Write the groups of ``token_adapter`` (one slot per row, -1: none, padding
-        included) into the host twin ``h32``; returns how many groups have rows."""
-        rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
+        included; a list, or an int array for thousands of rows) into the host twin
+        ``h32``; returns how many groups have rows."""
+        if isinstance(token_adapter, np.ndarray):
+            rows, start, size, adapter = group_tokens_array(token_adapter, self.num_adapters)
+        else:
+            rows, start, size, adapter = group_tokens_host(token_adapter, self.num_adapters)
         n = len(token_adapter)
         h32[self.token_adapter_at: self.token_adapter_at + n] = token_adapter
         h32[self.sorted_rows_at: self.sorted_rows_at + n] = rows

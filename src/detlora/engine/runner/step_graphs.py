@@ -37,7 +37,7 @@ from detlora.engine.runner.copy_fence import CopyFence
 from detlora.engine.runner.graph_capture import Forward, capture_bucket
 from detlora.engine.runner.step_inputs import StepInputs, mirror_groups
 from detlora.layers.forward_batch import AttentionMetadata, ForwardBatch, LoRABatch
-from detlora.ops.adapter_groups import row_tile_room
+from detlora.ops.adapter_groups import HOST_NUMPY_ROWS, row_tile_room
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # Up to 256 sequences, so that an arrival beside many running sequences still replays a graph.
@@ -201,7 +201,12 @@ class StepGraphs:
                 gtables[g, i, : len(row)] = row
             gtables[g, s: sb + 1, :width] = 0
         if self.group_layout is not None:
-            self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
+            if tb > HOST_NUMPY_ROWS:  # thousands of rows: numpy from the list on
+                slots = np.full(tb, -1, dtype=np.int64)  # padding rows: no adapter
+                slots[:t] = step.token_adapter
+                self.group_layout.stage(h32, slots)
+            else:
+                self.group_layout.stage(h32, step.token_adapter + [-1] * pad)
         self._i64.copy_(self._h64, non_blocking=True)
         self._i32.copy_(self._h32, non_blocking=True)
         # Columns past ``width`` keep pages of earlier steps: real rows never read them, and
