@@ -192,6 +192,8 @@ class LLM:
         outs = self._run([s for g in groups for s in g], use_tqdm)
         if self._audit is not None:
             self._audit_generate(parsed, encoded, params, loras, groups, outs)
+        if len(outs) == len(groups):  # one completion per prompt: the outputs as they are
+            return outs
         merged, at = [], 0
         for g in groups:  # one RequestOutput per prompt, its n completions indexed 0..n-1
             first, *rest = outs[at: at + len(g)]
