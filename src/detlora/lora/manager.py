@@ -158,9 +158,11 @@ class LoRAManager:
         step before it has been launched by now.)"""
         self.writer.launched()
         paths: dict[int, str] = {}
+        last = None
         for req in requests:
-            if req is None:
+            if req is None or req is last:  # a run of one request object: checked once
                 continue
+            last = req
             if not isinstance(req, LoRARequest):
                 raise ValueError(f"expected a LoRARequest or None, got {type(req).__name__}")
             known = paths.get(req.id)

@@ -181,6 +181,21 @@ def _column_of(
     return chosen_logprob
 
 
+def _plain_greedy(requests: Sequence[SampleRequest]) -> bool:
+    """Every row greedy, without banned tokens, top logprobs, adjustments or a grammar mask
+    (what the greedy head answers). A run of rows sharing one params object checks it once."""
+    last = None
+    for r in requests:
+        if r.banned_token_ids or r.adjust is not None or r.token_mask is not None:
+            return False
+        params = r.params
+        if params is not last:
+            if not params.greedy or params.logprobs:
+                return False
+            last = params
+    return True
+
+
 def _fp32_bits(values: Sequence[float]) -> list[int]:
     """The fp32 bit patterns (as unsigned ints) of Python floats, rounded as torch rounds."""
     return array.array("I", array.array("f", values).tobytes()).tolist()
@@ -459,10 +474,7 @@ class Sampler:
             return PendingSample.read(torch.empty(0, dtype=torch.int64), None, lambda v: [])
         if greedy is not None and tuple(greedy.shape) != (n, 3):
             raise ValueError(f"greedy must be [{n}, 3], got {tuple(greedy.shape)}")
-        if greedy is not None and all(
-            r.params.greedy and not r.banned_token_ids and not r.params.logprobs
-            and r.adjust is None and r.token_mask is None for r in requests
-        ):
+        if greedy is not None and _plain_greedy(requests):
             def parse_greedy(values: list[float]) -> list[SampleResult]:
                 # The argmax: no logit above it, rank 1.
                 return [SampleResult(int(t), None, ok != 0.0) if r.params.logprobs is None
