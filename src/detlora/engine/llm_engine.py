@@ -11,8 +11,11 @@ output); ``step_sequences()`` is the same step returning the sequences themselve
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import json
+import os
+import stat
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -84,6 +87,20 @@ class _InFlight:
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _is_dir(path: str) -> bool:
+    """``Path(path).is_dir()`` without building a Path (a server checks every request's
+    adapter directory): False where it is not one or cannot be reached, as pathlib ignores
+    ENOENT, ENOTDIR, EBADF and ELOOP; other errors (a permission) are raised as there."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            raise
+        return False
+    except ValueError:  # an embedded NUL
+        return False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -497,7 +514,7 @@ class LLMEngine:
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         self.lora_manager.check(lora)
-        if not Path(lora.real_path).is_dir():  # the rest is checked when it is read
+        if not _is_dir(lora.real_path):  # the rest is checked when it is read
             raise FileNotFoundError(f"adapter directory {lora.path} does not exist "
                                     f"(LoRARequest {lora.name!r}, id {lora.id})")
 
@@ -559,8 +576,7 @@ class LLMEngine:
         if checked:
             ids = prompt_token_ids  # check_requests' list of ints
         else:
-            self.check_request(prompt_token_ids, params, lora, label_token_ids)
-            ids = token_id_list(prompt_token_ids, "prompt_token_ids")
+            ids = self.check_requests([(prompt_token_ids, params, lora, label_token_ids)])[0]
         index = next(self._counter)
         if params.seed is None:
             seed = derive_seed(self.config.seed, index)
@@ -835,8 +851,13 @@ class LLMEngine:
                                        f"could not be loaded: {failed[lora.id]}")
             sched = dataclasses.replace(sched, scheduled=tuple(items[k] for k in kept))
             fed_rows = None if fed_rows is None else [fed_rows[k] for k in kept]
-        slots = [-1 if it.seq.lora is None else slot_of[it.seq.lora.id]
-                 for it in sched.scheduled]
+        slots = []
+        last, slot = None, -1
+        for it in sched.scheduled:  # runs of one adapter object look it up once
+            lora = it.seq.lora
+            if lora is not last:
+                last, slot = lora, -1 if lora is None else slot_of[lora.id]
+            slots.append(slot)
         return sched, fed_rows, slots
 
     def _fail(self, seq: Seq, message: str) -> None:
