@@ -25,4 +25,9 @@ class LoRAStats:
     host_evictions: int = 0  # adapters dropped from the host cache to make room
 
     def as_dict(self) -> dict[str, int | float]:
-        return dataclasses.asdict(self)
+        """The counters by name (every field a number: no deep copy needed; a server's engine
+        loop reports them every iteration)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(LoRAStats))

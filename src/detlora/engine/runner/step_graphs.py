@@ -125,8 +125,9 @@ class StepGraphs:
 
     def bucket_for(self, step: StepInputs) -> tuple[int, int] | None:
         """The smallest captured bucket that holds ``step``, or None (run it eagerly)."""
+        t, s = step.num_tokens, step.num_seqs
         for tb, sb in self.buckets:
-            if tb >= step.num_tokens and sb >= step.num_seqs:
+            if tb >= t and sb >= s:
                 return (tb, sb)
         return None
 
