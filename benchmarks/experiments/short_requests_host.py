@@ -10,6 +10,11 @@ that on the CPU: ``LLM.generate`` of N one-token prompts in one call (``one_toke
 GPU but replay nothing; a step that no graph holds runs a stubbed forward (on the GPU it
 launches hundreds of kernels, ~30 ms of host time for a 28-layer model: ``eager_steps``).
 
+``core_one_token`` and ``core_decide`` are the same requests through a server's engine process
+(``core_proc.EngineCore``, run here, fed by a thread that plays the front end and keeps
+``--concurrency`` requests in flight): what that process spends a request, its pipe
+messages, checks and per-step work over smaller steps included.
+
 Models: ``tiny`` (the demo's random model and word-level tokenizer) or ``smollm2`` (the
 embedded SmolLM2-135M-Instruct: its real tokenizer and chat template, its weights loaded but
 never run). Times are per request: wall, this process's CPU time (``time.process_time``: the
@@ -19,7 +24,8 @@ calls; ``--profile`` adds a cProfile pass timed by the thread's CPU
 clock (top functions by own and cumulative time; the statistics in ``OUT.WORKLOAD.prof``).
 
     PYTHONPATH=src python -m benchmarks.experiments.short_requests_host OUT.json \
-        [--model tiny|smollm2] [--requests 2000] [--workloads one_token,decide] [--profile]
+        [--model tiny|smollm2] [--requests 2000] [--profile] \
+        [--workloads one_token,decide,core_one_token,core_decide] [--concurrency 64]
 """
 
 from __future__ import annotations
@@ -95,6 +101,69 @@ def _call(llm: Any, workload: str, n: int, lora: Any) -> Any:
                     for s in states]
 
 
+def _core_call(llm: Any, workload: str, n: int, lora: Any, concurrency: int) -> Any:
+    """A server's engine process (``core_proc.EngineCore``) in this process, its front end a
+    thread that keeps ``concurrency`` requests in flight: the first ones in one batch
+    message, then one batch per step message, as many as that step finished. Requests are
+    what the front end sends (``AddRequest``, its own params object each, DELTA outputs of
+    ids); only the core's thread is timed (``thread_cpu_us``)."""
+    import copy
+    import threading
+    from multiprocessing import Pipe
+
+    from detlora import SamplingParams
+    from detlora.config import RequestOutputKind
+    from detlora.engine.core_proc import AddRequest, EngineCore
+
+    if workload == "core_one_token":
+        base = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+        ids = llm.tokenizer.encode_many(prompts(n))
+        items = [(ids[i], None) for i in range(n)]
+    else:
+        base = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        question = {"toxic": {"type": "noul", "criteria": "Is this comment toxic?"}}
+        states = prompts(n, seed=99)
+        reads = llm._plan_decisions(states, [question] * n, INSTRUCTIONS)
+        items = [(rs[0].prompt_token_ids, rs[0].label_token_ids) for rs in reads]
+
+    def add(i: int) -> tuple:
+        params = copy.copy(base)  # async_llm's _engine_params: a copy per request
+        object.__setattr__(params, "output_kind", RequestOutputKind.DELTA)
+        object.__setattr__(params, "detokenize", False)
+        ids, labels = items[i]
+        return ("add", AddRequest(f"r{i}", list(ids), params, lora, 0, labels))
+
+    def run() -> None:
+        fe_in, core_out = Pipe(duplex=False)
+        core_in, fe_out = Pipe(duplex=False)
+        core = EngineCore(llm.engine, core_in, core_out)
+
+        def front_end() -> None:
+            sent = min(concurrency, n)
+            fe_out.send(("batch", [add(i) for i in range(sent)]))
+            done = 0
+            while done < n:
+                msg = fe_in.recv()
+                if msg[0] != "step":
+                    continue
+                ended = sum(1 for d in msg[1] if d[3] is not None)
+                done += ended
+                more = min(ended, n - sent)
+                if more:
+                    fe_out.send(("batch", [add(i) for i in range(sent, sent + more)]))
+                    sent += more
+            fe_out.send(("shutdown", False))
+
+        thread = threading.Thread(target=front_end)
+        thread.start()
+        core.run()
+        thread.join()
+        for conn in (fe_in, core_out, core_in, fe_out):
+            conn.close()
+
+    return run
+
+
 def _has_bulk_decide(llm: Any) -> bool:
     import inspect
 
@@ -108,10 +177,11 @@ def _profile_rows(prof: cProfile.Profile, key: str) -> list[str]:
 
 
 def measure(llm: Any, workload: str, n: int, lora: Any, repeats: int,
-            profile: Path | None) -> dict[str, Any]:
+            profile: Path | None, concurrency: int = 64) -> dict[str, Any]:
     engine = llm.engine
     counter = stub_model(engine)
-    run = _call(llm, workload, n, lora)
+    run = (_core_call(llm, workload, n, lora, concurrency) if workload.startswith("core_")
+           else _call(llm, workload, n, lora))
     run()  # warm-up: tokenizer caches, the adapter in its slot
     walls, cpus, threads = [], [], []
     steps0, eager0 = engine.num_steps, counter["eager_steps"]
@@ -155,7 +225,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workloads", default="one_token,decide")
+    ap.add_argument("--workloads", default="one_token,decide",
+                    help="of one_token, decide, core_one_token, core_decide")
+    ap.add_argument("--concurrency", type=int, default=64,
+                    help="requests in flight for the core_ workloads")
     ap.add_argument("--no-lora", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
@@ -166,7 +239,8 @@ def main(argv: list[str]) -> None:
         for workload in args.workloads.split(","):
             prof = (args.out.with_name(f"{args.out.stem}.{workload}.prof") if args.profile
                     else None)
-            rows[workload] = measure(llm, workload, args.requests, lora, args.repeats, prof)
+            rows[workload] = measure(llm, workload, args.requests, lora, args.repeats, prof,
+                                     args.concurrency)
             print(workload, json.dumps({k: v for k, v in rows[workload].items()
                                         if not k.startswith("by_")}), flush=True)
         llm.shutdown()
