@@ -147,7 +147,7 @@ class LLM:
         for items, special in ((texts, True), (chats, False)):
             if items:
                 ids = self.tokenizer.encode_many([t for _, t in items],
-                                                 add_special_tokens=special)
+                                                 add_special_tokens=special, checked=True)
                 for (i, text), row in zip(items, ids, strict=True):
                     out[i] = (row, text if special else None)
         return out
