@@ -1,6 +1,6 @@
-"""The engine attributes that lab modules hook or read (profile_engine, and the experiments
-run_ahead_cases, first_cache_hit, pdl_decode, prefill_host, shared_inflight_pages) exist on a
-CPU engine, so that moving or renaming them fails here, not on the GPU machine."""
+"""The engine attributes that lab modules hook or read (profile_engine, stub_model, and the
+experiments run_ahead_cases, first_cache_hit, pdl_decode, prefill_host, shared_inflight_pages)
+exist on a CPU engine, so that moving or renaming them fails here, not on the GPU machine."""
 
 import inspect
 import sys
@@ -12,7 +12,8 @@ from benchmarks.suites import engine as be
 
 HOOKS = ("step", "run_ahead", "num_steps_ahead", "model", "spec.vocab_size",
          "scheduler.schedule", "block_manager.next_page_computing",
-         "block_manager.num_hit_tokens", "sampler.launch", "runner.execute",
+         "block_manager.num_hit_tokens", "sampler.launch", "sampler._log_softmax",
+         "runner.execute",
          "runner.forward_batch", "runner.graphs", "runner.graph_error")
 
 
