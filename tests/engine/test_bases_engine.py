@@ -109,6 +109,8 @@ def test_greedy_equals_transformers_generate(families, arch):
             assert max(abs(a - b) for a, b in zip(got, lps, strict=True)) < 1e-4
     if arch == "phi3":
         assert llm.engine.scheduler.num_offset_recomputes == 2  # the two that grew past 32
+        # Both had the adapter: sent back to the queue, they were counted as waiting again.
+        assert llm.engine.scheduler._waiting_loras == {}
 
 
 @pytest.mark.parametrize("arch", BASES)

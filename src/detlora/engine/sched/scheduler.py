@@ -287,6 +287,7 @@ class Scheduler:
             self.blocks.free(seq)
             seq.reset_for_recompute()
             self.waiting.appendleft(seq)
+            self._count_waiting(seq, 1)
             self.num_offset_recomputes += 1
 
     def _preempt(self, seq: Sequence) -> None:
