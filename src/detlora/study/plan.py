@@ -2,7 +2,8 @@
 
 ``StudyPlan.full()`` is sized for a GPU run of a few minutes per model (the engines' start-up,
 CUDA graph capture included, is a large part of it: one engine per configuration and three
-variants per level); ``StudyPlan.quick()`` for about a minute on a CPU with a tiny model.
+variants per level); ``StudyPlan.quick()`` for a minute on a CPU with a tiny model (SmolLM2:
+about ten).
 
 A configuration is a determinism level with a LoRA reduction: ``fast`` with ``atomic`` (its
 default), ``run_to_run`` with every deterministic reduction the engine offers,
