@@ -144,12 +144,14 @@ def parse_prompts(prompts: object) -> list[Prompt]:
     return [parse_prompt(prompts)]
 
 
-def per_prompt(value: object, n: int, name: str, check: Callable[[object], bool]) -> list:
-    """``value`` is one item for every prompt, or a list with one item per prompt."""
+def per_prompt(value: object, n: int, name: str, check: Callable[[object], bool],
+               unit: str = "prompt") -> list:
+    """``value`` is one item for every prompt, or a list with one item per prompt (``unit``
+    names what is counted in the error: a prompt, a state)."""
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts "
-                             "(give one, or one per prompt)")
+            raise ValueError(f"{name} has {len(value)} entries but there are {n} {unit}s "
+                             f"(give one, or one per {unit})")
         items = list(value)
     else:
         items = [value] * n

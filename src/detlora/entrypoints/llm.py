@@ -441,17 +441,7 @@ _READ = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
 
 def _per_state(value: object, n: int, name: str, check: Any) -> list:
     """``value`` for every state, or a list with one per state."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries but there are {n} states "
-                             "(give one, or one per state)")
-        items = list(value)
-    else:
-        items = [value] * n
-    for i, item in enumerate(items):
-        if not check(item):
-            raise ValueError(f"{name}[{i}] has the wrong type: {type(item).__name__}")
-    return items
+    return per_prompt(value, n, name, check, unit="state")
 
 
 def _per_object(items: Sequence[Any], make: Any) -> list[Any]:
