@@ -88,3 +88,34 @@ def test_a_failed_large_step_graph_capture_keeps_the_other_graphs(model_dir, mon
     sp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
     outs = llm.generate(_prompts(300, 2), sp, use_tqdm=False)  # eager steps past 2048
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+
+
+def test_prompt_logprobs_replay_step_graphs_with_the_eager_bits(model_dir, monkeypatch):
+    """lm-eval's loglikelihood requests (prompt logprobs, one token out) replay step graphs,
+    which leave every row's hidden state for the scoring, and give the eager engine's bits:
+    prompt logprobs, token and its logprob, in bulk and alone."""
+    import detlora.engine.runner.step_graphs as sg
+
+    scoring: list[tuple[int, int] | None] = []
+    run = sg.StepGraphs.run
+    monkeypatch.setattr(sg.StepGraphs, "run", lambda self, step: (
+        scoring.append(self.bucket_for(step)) if step.prompt_rows else None) or run(self, step))
+    prompts = _prompts(300, 3)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(str(model_dir), determinism="batch_invariant", max_model_len=256,
+                  enforce_eager=eager)
+        outs[eager] = llm.generate(prompts, sp, use_tqdm=False)
+        if not eager:
+            assert scoring, "no scoring step replayed a graph"
+            alone = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts[::60]]
+            for a, b in zip(alone, outs[False][::60], strict=True):
+                assert a.prompt_logprobs == b.prompt_logprobs
+                assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        del llm
+        torch.cuda.empty_cache()
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert a.prompt_logprobs == b.prompt_logprobs
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -119,6 +119,7 @@ def test_the_runner_captures_with_the_gc_paused(monkeypatch) -> None:
     runner.device, runner.max_model_len, runner.block_size = torch.device("cpu"), 64, 16
     runner.num_adapters, runner.graph_error = None, None
     runner._decode_forward = lambda batch: ()
+    runner._step_graph_forward = lambda rows: ((lambda batch: ()), None)
     runner._capture(max_num_seqs=4, max_num_batched_tokens=64)
     assert seen == [False, False] and gc.isenabled()
     assert runner.graphs is not None and runner.step_graphs is not None
@@ -174,6 +175,7 @@ def test_the_runner_counts_every_graph_it_captures(monkeypatch, progress) -> Non
     runner.device, runner.max_model_len, runner.block_size = torch.device("cpu"), 64, 16
     runner.num_adapters, runner.graph_error = None, None
     runner._decode_forward = lambda batch: ()
+    runner._step_graph_forward = lambda rows: ((lambda batch: ()), None)
     bars, real = [], mr.capture_progress
 
     def capture_progress(total, *, enabled):

@@ -13,6 +13,7 @@ import torch
 from tests.helpers.engine_outputs import random_prompts, same_outputs
 
 from detlora.config import SamplingParams
+from detlora.engine.runner.model_runner import step_forward
 from detlora.engine.runner.step_graphs import StepGraphs, step_graph_buckets
 from detlora.engine.runner.step_inputs import StepInputs
 from detlora.entrypoints.llm import LLM
@@ -121,11 +122,13 @@ class _Uncaptured(StepGraphs):
     """Step graphs that run the padded forward instead of replaying a capture (CPU)."""
 
     replays = 0
+    scoring_replays = 0  # of steps with prompt rows (prompt logprobs)
 
     def run(self, step):
         bucket = self.bucket_for(step)
         self.stage(step, bucket)
         _Uncaptured.replays += 1
+        _Uncaptured.scoring_replays += bool(step.prompt_rows)
         out = self.forward(self.batch(*bucket))
         return tuple(o[: len(step.logits_indices)] for o in out)
 
@@ -135,15 +138,18 @@ def _engine(model_dir, padded: bool, **kw) -> LLM:
               determinism="batch_invariant", max_num_batched_tokens=64, **kw)
     if padded:
         runner = llm.engine.runner
+        model = runner.model
+        hidden = torch.empty(64, model.spec.hidden_size, dtype=model.dtype)
         runner.step_graphs = _Uncaptured(
-            runner._decode_forward, device=runner.device, feed=runner._feed,
-            buckets=step_graph_buckets(64, 16), block_size=runner.block_size,
+            step_forward(model, runner.greedy_head, hidden), device=runner.device,
+            feed=runner._feed, buckets=step_graph_buckets(64, 16), block_size=runner.block_size,
             max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
-            max_model_len=runner.max_model_len, num_adapters=runner.num_adapters)
+            max_model_len=runner.max_model_len, num_adapters=runner.num_adapters,
+            hidden=hidden)
     return llm
 
 
-def _assert_padded_gives_eager_bits(model_dir, prompts, params, loras, **kw) -> None:
+def _assert_padded_gives_eager_bits(model_dir, prompts, params, loras, **kw) -> list:
     outs = {}
     for padded in (False, True):
         llm = _engine(model_dir, padded, block_size=PAGE, **kw)
@@ -152,8 +158,9 @@ def _assert_padded_gives_eager_bits(model_dir, prompts, params, loras, **kw) -> 
         if padded:
             assert _Uncaptured.replays > before  # the padded path really ran
     bad = [k for k, (a, b) in enumerate(zip(outs[True], outs[False], strict=True))
-           if not same_outputs(a, b)]
+           if not same_outputs(a, b) or a.prompt_logprobs != b.prompt_logprobs]
     assert not bad, f"outputs {bad} differ through the padded step buckets"
+    return outs[True]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -186,3 +193,24 @@ def test_padded_steps_with_buckets_past_max_model_len(request):
     mixed = [loras[0], None, loras[1], loras[0]]
     params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)] * 4
     _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed, max_model_len=24)
+
+
+def test_prompt_logprobs_through_the_padded_buckets(request):
+    """Steps whose rows score prompt tokens (echo, lm-eval's loglikelihood) take the step
+    graph too: the graph leaves every row's final hidden state in its buffer, and the prompt
+    logprobs read from there are the eager step's, bit for bit, chunked prefill included
+    (prompts past the 64-token budget), mixed with requests that score nothing."""
+    model_dir = request.getfixturevalue("llama_dir")
+    loras = [LoRARequest(f"a{k}", k + 1, str(p))
+             for k, p in enumerate(request.getfixturevalue("llama_adapters"))]
+    prompts = random_prompts(6, seed=13, lo=5, hi=40) + random_prompts(1, seed=14, lo=90, hi=91)
+    mixed = [loras[k % 2] if k % 3 else None for k in range(7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, ignore_eos=True,
+                             prompt_logprobs=1 if k % 4 else (3 if k else None))
+              for k in range(7)]
+    before = _Uncaptured.scoring_replays
+    outs = _assert_padded_gives_eager_bits(model_dir, prompts, params, mixed)
+    assert _Uncaptured.scoring_replays > before  # scoring steps took the buckets
+    assert outs[0].prompt_logprobs is None
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs[1:], prompts[1:],
+                                                                strict=True))

@@ -54,6 +54,42 @@ def decode_forward(
     return forward
 
 
+def step_forward(
+    model: torch.nn.Module, greedy_head: Callable[[torch.Tensor], torch.Tensor] | None,
+    hidden_out: torch.Tensor,
+) -> Callable[[ForwardBatch], tuple[torch.Tensor, ...]]:
+    """What a step graph computes: ``decode_forward``'s outputs (the same ops: final hidden
+    states, then the LM head on the logits rows), and every row's final hidden state copied
+    to ``hidden_out[:T]``, where a step whose rows score prompt tokens reads them after the
+    replay (prompt logprobs then cost a replay, not an eager step's launches)."""
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        hidden = model.hidden_states(batch)
+        hidden_out[: hidden.shape[0]].copy_(hidden)
+        logits = model.compute_logits(hidden.index_select(0, batch.logits_indices),
+                                      upcast=False)
+        if greedy_head is None:
+            return (logits,)
+        return logits, greedy_head(logits)
+
+    return forward
+
+
+def step_graph_forward(
+    model: torch.nn.Module, greedy_head: Callable[[torch.Tensor], torch.Tensor] | None,
+    device: torch.device,
+) -> Callable[[int], tuple[Callable[[ForwardBatch], tuple[torch.Tensor, ...]], torch.Tensor]]:
+    """For step graphs of up to ``rows`` token rows: their forward (``step_forward``) and the
+    [rows, H] buffer it leaves the hidden states in."""
+
+    def make(rows: int) -> tuple[Callable[[ForwardBatch], tuple[torch.Tensor, ...]],
+                                 torch.Tensor]:
+        hidden = torch.empty(rows, model.spec.hidden_size, dtype=model.dtype, device=device)
+        return step_forward(model, greedy_head, hidden), hidden
+
+    return make
+
+
 class ModelRunner:
     chunk_size: int | None = None  # a hybrid model's chunk grid (None: no Mamba layers)
     def __init__(
@@ -76,6 +112,7 @@ class ModelRunner:
         # A function of the model and head only: the graphs keep it, and a bound method would
         # make runner -> graphs -> runner a cycle that holds the KV cache until a collection.
         self._decode_forward = decode_forward(model, greedy_head)
+        self._step_graph_forward = step_graph_forward(model, greedy_head, device)
         self.device = device
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -125,13 +162,17 @@ class ModelRunner:
 
     def _step_graphs(self, graphs: DecodeGraphs,
                      buckets: list[tuple[int, int]]) -> StepGraphs | None:
+        if not buckets:
+            return None
+        forward, hidden = self._step_graph_forward(max(b[0] for b in buckets))
         return StepGraphs(
-            self._decode_forward, device=self.device, feed=graphs.feed, buckets=buckets,
+            forward, device=self.device,
+            feed=graphs.feed, buckets=buckets, hidden=hidden,
             block_size=self.block_size,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             max_model_len=self.max_model_len, num_adapters=self.num_adapters,
             kv_groups=self.kv_groups,
-        ) if buckets else None
+        )
 
     def _capture(self, max_num_seqs: int, max_num_batched_tokens: int, *,
                  progress: bool = False) -> None:
@@ -286,10 +327,19 @@ class ModelRunner:
     def execute(self, step: StepInputs, decode_only: bool) -> StepLogits | None:
         """Run one step: logits [len(step.logits_indices), V] in the model's dtype (and, from
         a decode graph, the greedy head's [B, 2]), or None if no row samples and no row scores
-        a prompt token. A step with prompt rows runs eagerly (graphs compute the sampling rows'
-        logits only); those rows' hidden states come back as ``prompt_hidden``, for
+        a prompt token. A step with prompt rows replays its step graph, which leaves every row's
+        hidden state in a buffer, or runs eagerly past the largest bucket; those rows' hidden
+        states come back as ``prompt_hidden``, for
         ``prompt_logits`` a block of rows at a time ([rows, V] logits of a whole prefill chunk
         could take gigabytes)."""
+        sg = self.step_graphs
+        if step.prompt_rows and sg is not None and sg.bucket_for(step) is not None:
+            out = sg.run(step)
+            rows = torch.tensor(step.prompt_rows, dtype=torch.int64).to(self.device)
+            prompt_hidden = sg.hidden_rows(rows)
+            if not step.logits_indices:
+                return StepLogits(None, None, prompt_hidden)
+            return StepLogits(out[0], out[1] if len(out) > 1 else None, prompt_hidden)
         if step.prompt_rows:
             batch = self.forward_batch(step)
             hidden = self.model.hidden_states(batch)

@@ -73,6 +73,8 @@ class StepGraphs:
         max_model_len: int,
         num_adapters: int | None,  # adapter slots, None without LoRA
         kv_groups: int = 1,  # KV page groups of the model (models/layer_spec.py)
+        hidden: torch.Tensor | None = None,  # [t_max, H]: where ``forward`` leaves the rows'
+        # final hidden states (model_runner.step_forward), for prompt logprobs
     ) -> None:
         if not buckets:
             raise ValueError("StepGraphs needs at least one (tokens, sequences) bucket")
@@ -118,6 +120,7 @@ class StepGraphs:
         self.group_tables = torch.zeros(extra, s + 1, width, dtype=torch.int32, device=device)
         self._hgslots = torch.full((extra, t), -1, dtype=torch.int64, pin_memory=pin)
         self._hgtables = torch.zeros(extra, s + 1, width, dtype=torch.int32, pin_memory=pin)
+        self.hidden = hidden
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
@@ -253,6 +256,13 @@ class StepGraphs:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+
+    def hidden_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of the last replay's final hidden states (a copy, so the next replay
+        cannot overwrite them: it is queued after this)."""
+        if self.hidden is None:
+            raise ValueError("these step graphs keep no hidden states (no hidden buffer)")
+        return self.hidden.index_select(0, rows)
 
     def run(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """Replay the graph for ``step``; the forward's outputs cut to the step's logits
