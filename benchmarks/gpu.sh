@@ -63,6 +63,7 @@
 #                     penalized-profile prefill-host rms-persistent run-ahead-cases
 #                     serving-timeline (the server's wheels from .whl/) expand-spread-tiles
 #                     shared-inflight-pages vendor-gemm multi-lora-waves mamba-replay-cost
+#                     row-linear-loads (o/down at decode sizes, Qwen2.5-7B beside Mistral)
 #
 # A/B on one machine: DETLORA_SRC=DIR runs the steps against another checkout's src (say
 # `git archive OLD src | tar -x -C ab/`, untracked so that it travels), with
@@ -353,6 +354,7 @@ for step in "${steps[@]}"; do
     prefill-host) experiment prefill_host prefill_host.json || status=1 ;;
     rms-persistent) experiment rms_norm_persistent rms_norm_persistent.json || status=1 ;;
     run-ahead-cases) experiment run_ahead_cases run_ahead_cases.json || status=1 ;;
+    row-linear-loads) experiment row_linear_loads row_linear_loads.json || status=1 ;;
     shared-inflight-pages) experiment shared_inflight_pages shared_inflight_pages_cpu.json \
                              || status=1 ;;
     vendor-gemm) experiment vendor_gemm_layouts vendor_gemm_layouts.json || status=1 ;;
