@@ -18,6 +18,7 @@
 #                     tensor-parallel-tests (ops and simulated ranks on 1 GPU; the engine
 #                     tests need 2+) | tensor-parallel-uneven-tests (issue 50, 1 GPU)
 #                     gemma-tests (sliding-window / head_dim 512 kernels, Gemma engines)
+#                     | gemma-engine-tests (the Gemma engines only: a verdict per condition)
 #                     head-dim-tests (head_dim 96 / 80 beside 128: attention, rotary and
 #                     KV-write kernels bit for bit; then the Qwen2 / Mistral / Phi-3 engines
 #                     with windows, Mistral at head_dim 80 and Phi-3 at 96)
@@ -184,6 +185,9 @@ for step in "${steps[@]}"; do
     study-tests) gpu_tests gpu_tests_study.log 25 tests/gpu/test_study_gpu.py || status=1 ;;
     gemma-tests) gpu_tests gpu_tests_gemma.log 25 tests/gpu/test_gemma_gpu.py --durations=10 \
                    || status=1 ;;
+    # The engine half alone; each condition's verdict is also in the log as it comes.
+    gemma-engine-tests) gpu_tests gpu_tests_gemma_engine.log 60 tests/gpu/test_gemma_gpu.py \
+                          -k engine_invariance --durations=10 || status=1 ;;
     nemotron-tests) gpu_tests gpu_tests_nemotron.log 25 tests/gpu/test_nemotron_h_gpu.py \
                       --durations=10 || status=1 ;;
     head-dim-tests) gpu_tests gpu_tests_head_dim.log 25 tests/gpu/test_head_dim_gpu.py \

@@ -12,6 +12,11 @@ that they build fast (real head sizes, window 512, KV sharing, PLE, soft-cap), r
 weights, a rank-16 adapter on all seven projections: every request alone is the reference;
 batched (with graphs), in reversed order, chunked across the window's edge, after
 preemption, from the prefix cache and launched ahead give the same token ids and logprobs.
+Each of those conditions is a test of its own (``CONDITIONS``), with eager steps alone and
+batched besides (graphs versus kernels): a module fixture runs them all, one engine at a
+time, and prints each verdict to stderr as it comes ("[gemma-engine gemma4] batched: ok",
+or what differs: the request, the first output token that differs, both sides there, and
+which steps ran eagerly or ahead), so a device call cut short still names the cause.
 The full shapes' rows are benchmarks/suites/architectures_gemma.py's.
 """
 
@@ -142,7 +147,7 @@ def engine_case(request, tmp_path_factory):
                "num_hidden_layers": 7, "vocab_size": 4096, "sliding_window": 512}
     ag.write_checkpoint(root / "m", cfg)
     ag.write_adapter(root / "a", root / "m", targets=ag.TARGETS, rank=16)
-    return root, cfg
+    return request.param, root, cfg
 
 
 def _llm(path, **kw):
@@ -154,10 +159,9 @@ def _llm(path, **kw):
     return LLM(str(path), **{**args, **kw})
 
 
-def test_engine_invariance_across_the_window(engine_case):
+def _requests(root):
     from detlora import LoRARequest, SamplingParams
 
-    root, _ = engine_case
     lora = LoRARequest("a", 1, str(root / "a"))
     g = torch.Generator().manual_seed(5)
     lens = [500, 515, 530, 700, 1029, 260, 513, 800]
@@ -167,32 +171,173 @@ def test_engine_invariance_across_the_window(engine_case):
               if k % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.95, seed=k,
                                                 max_tokens=24, logprobs=0, ignore_eos=True)
               for k in range(len(prompts))]
-    llm = _llm(root / "m")
-    assert llm.engine.runner.uses_cuda_graphs
-    alone = [llm.generate(p, s, r, use_tqdm=False)[0]
-             for p, s, r in zip(prompts, params, loras, strict=True)]
+    return prompts, params, loras
 
-    def same(outs, ref):
-        bad = [k for k, (a, b) in enumerate(zip(outs, ref, strict=True))
-               if a.outputs[0].token_ids != b.outputs[0].token_ids
-               or a.outputs[0].logprobs != b.outputs[0].logprobs]
-        assert not bad, bad
 
-    same(llm.generate(prompts, params, loras, use_tqdm=False), alone)
-    order = list(reversed(range(len(prompts))))
-    same(llm.generate([prompts[k] for k in order], [params[k] for k in order],
-                      [loras[k] for k in order], use_tqdm=False), [alone[k] for k in order])
-    assert llm.engine.num_steps_ahead > 0  # run-ahead steps were in these batches
+def _differences(outs, ref, prompts, loras) -> str:
+    """'' when every output equals its reference to the bit, else one line per request that
+    differs: its prompt length, adapter, the first token index where ids or logprobs part,
+    and both sides there."""
+    lines = []
+    for k, (a, b) in enumerate(zip(outs, ref, strict=True)):
+        x, y = a.outputs[0], b.outputs[0]
+        if x.token_ids == y.token_ids and x.logprobs == y.logprobs:
+            continue
+        n = max(len(x.token_ids), len(y.token_ids))
+        at = next((i for i in range(n) if x.token_ids[i:i + 1] != y.token_ids[i:i + 1]
+                   or (x.logprobs or [])[i:i + 1] != (y.logprobs or [])[i:i + 1]), n)
+        lines.append(
+            f"request {k} (prompt {len(prompts[k])}, {'adapter' if loras[k] else 'base'}, "
+            f"finish {x.finish_reason}/{y.finish_reason}) first differs at output token {at}: "
+            f"ids {x.token_ids[at:at + 2]} vs {y.token_ids[at:at + 2]}, logprobs "
+            f"{(x.logprobs or [])[at:at + 1]} vs {(y.logprobs or [])[at:at + 1]}")
+    return "\n".join(lines)
+
+
+def _watch_steps(llm) -> list[tuple[int, int]]:
+    """(tokens, sequences) of every step the engine's runner runs eagerly from now on (the
+    others replay a decode or step graph), for the difference reports."""
+    runner = llm.engine.runner
+    eager: list[tuple[int, int]] = []
+    build = runner.forward_batch
+
+    def forward_batch(step):
+        eager.append((step.num_tokens, step.num_seqs))
+        return build(step)
+
+    runner.forward_batch = forward_batch
+    return eager
+
+
+def _paths(llm, eager: list[tuple[int, int]]) -> str:
+    runner = llm.engine.runner
+    return (f" [decode graphs {runner.graphs is not None}, step graphs "
+            f"{runner.step_graphs is not None} (capture error: {runner.graph_error}), "
+            f"{len(eager)} eager steps (tokens, seqs): {sorted(set(eager))[:12]}, "
+            f"{llm.engine.num_steps_ahead} steps launched ahead]")
+
+
+def _report(family: str, condition: str, problem: str) -> None:
+    """Each condition's verdict on the live log at once (pytest's summary may come too late
+    for a device call's time limit)."""
+    import sys
+
+    verdict = "ok" if not problem else "FAILED: " + problem.replace("\n", "\n    ")
+    print(f"[gemma-engine {family}] {condition}: {verdict}", file=sys.__stderr__, flush=True)
+
+
+CONDITIONS = ("graphs", "batched", "reversed", "run_ahead", "eager_alone", "eager", "chunked",
+              "preempted", "prefix_cached")
+
+
+@pytest.fixture(scope="module")
+def engine_verdicts(engine_case):
+    """Every condition of the window test run once per family, one engine alive at a time:
+    condition -> '' (bits equal, or the property holds) or what went wrong (a difference
+    report, or an exception's traceback). Every request alone on the first engine (CUDA
+    graphs, steps launched ahead) is the reference."""
+    import gc
+    import traceback
+
+    family, root, _ = engine_case
+    prompts, params, loras = _requests(root)
+    verdicts: dict[str, str] = {}
+
+    def check(condition, fn):
+        try:
+            problem = fn() or ""
+        except Exception:  # the verdict of this condition; the others still run
+            problem = traceback.format_exc(limit=12)
+        verdicts[condition] = problem
+        _report(family, condition, problem)
+
+    def generate(llm, order=None):
+        order = list(range(len(prompts))) if order is None else order
+        return llm.generate([prompts[k] for k in order], [params[k] for k in order],
+                            [loras[k] for k in order], use_tqdm=False)
+
+    alone: list = []
+    eager: list = []  # the first engine's eager steps
+
+    def build():
+        llm = _llm(root / "m")
+        runner = llm.engine.runner
+        eager.append(_watch_steps(llm))
+        alone.extend(llm.generate(p, s, r, use_tqdm=False)[0]
+                     for p, s, r in zip(prompts, params, loras, strict=True))
+        return llm, (None if runner.uses_cuda_graphs else
+                     f"no CUDA graphs: {runner.graph_error}")
+
+    try:
+        llm, graph_problem = build()
+    except Exception:
+        problem = traceback.format_exc(limit=12)
+        for condition in CONDITIONS:
+            verdicts[condition] = "the first engine failed: " + problem
+            _report(family, condition, verdicts[condition])
+        return verdicts
+    verdicts["graphs"] = graph_problem or ""
+    _report(family, "graphs", verdicts["graphs"])
+    first = {"llm": llm}  # dropped below: one engine at a time
     del llm
-    for kw in (dict(max_num_batched_tokens=300), dict(num_kv_blocks=120, block_size=16),
-               dict(enable_prefix_caching=True)):
-        other = _llm(root / "m", **kw)
-        outs = other.generate(prompts, params, loras, use_tqdm=False)
-        if kw.get("enable_prefix_caching"):
-            outs = other.generate(prompts, params, loras, use_tqdm=False)
-            assert sum(o.num_cached_tokens for o in outs) > 0
-        if "num_kv_blocks" in kw:
-            assert other.engine.scheduler.num_preemptions > 0
-        same(outs, alone)
-        del other
-        torch.cuda.empty_cache()
+
+    def with_paths(problem: str) -> str:
+        return problem and problem + _paths(first["llm"], eager[0])
+
+    check("batched", lambda: with_paths(_differences(generate(first["llm"]), alone, prompts,
+                                                     loras)))
+    order = list(reversed(range(len(prompts))))
+    check("reversed", lambda: with_paths(_differences(
+        generate(first["llm"], order), [alone[k] for k in order],
+        [prompts[k] for k in order], [loras[k] for k in order])))
+    check("run_ahead", lambda: "" if first["llm"].engine.num_steps_ahead > 0 else
+          f"no step was launched ahead (run_ahead={first['llm'].engine.run_ahead})")
+    first.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    def other(condition, **kw):
+        def run():
+            engine = _llm(root / "m", **kw)  # an error here is the verdict too
+            steps = _watch_steps(engine)
+            try:
+                if condition == "eager_alone":  # each request alone, eagerly
+                    diff = _differences([engine.generate(p, s, r, use_tqdm=False)[0]
+                                         for p, s, r in zip(prompts, params, loras,
+                                                            strict=True)],
+                                        alone, prompts, loras)
+                    return diff and diff + _paths(engine, steps)
+                outs = generate(engine)
+                notes = []
+                if kw.get("enable_prefix_caching"):
+                    outs = generate(engine)
+                    if sum(o.num_cached_tokens for o in outs) == 0:
+                        notes.append("no prefix-cache hit")
+                if "num_kv_blocks" in kw and engine.engine.scheduler.num_preemptions == 0:
+                    notes.append("no preemption")
+                diff = _differences(outs, alone, prompts, loras)
+                problem = "\n".join(notes + ([diff] if diff else []))
+                return problem and problem + _paths(engine, steps)
+            finally:
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        check(condition, run)
+
+    # Eager steps (no graphs, no run-ahead), alone then batched: tells the graphs' part
+    # from the kernels'.
+    other("eager_alone", enforce_eager=True)
+    other("eager", enforce_eager=True)
+    other("chunked", max_num_batched_tokens=300)
+    other("preempted", num_kv_blocks=120, block_size=16)
+    other("prefix_cached", enable_prefix_caching=True)
+    return verdicts
+
+
+@pytest.mark.parametrize("condition", CONDITIONS)
+def test_engine_invariance_across_the_window(engine_verdicts, condition):
+    """One condition's verdict (``engine_verdicts``): every request's token ids and logprobs
+    equal its own alone on the first engine, or the property named holds."""
+    problem = engine_verdicts[condition]
+    assert not problem, f"{condition}:\n{problem}"
